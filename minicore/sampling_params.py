@@ -1,0 +1,64 @@
+"""SamplingParams: how one request samples and when it stops.
+
+Mirrors vllm/sampling_params.py, keeping the parameters minicore implements (no logprobs, penalties,
+beam search or structured output). Invalid values raise ValueError at construction, before anything
+reaches the scheduler.
+"""
+
+from dataclasses import dataclass, field
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    # None: generate until EOS or max_model_len.
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # 0 disables top-k; -1 (vLLM's old spelling) is accepted and normalised to 0.
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    def __post_init__(self):
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1)
+        self.temperature = _check_number("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        self.top_p = _check_number("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k, -1)
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.seed is not None:
+            _check_int("seed", self.seed, -(2**63))
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids", token_id, 0)
+        self.stop_token_ids = list(self.stop_token_ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        _check_int("min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,122 @@
+"""KVCacheManager: which blocks each request holds, prefix-cache lookups, slot allocation.
+
+Mirrors vllm/v1/core/kv_cache_manager.py together with the single full-attention case of
+vllm/v1/core/single_type_kv_cache_manager.py. Left out: hybrid models (several KV cache groups),
+sliding windows, lookahead slots for speculative decoding, KV connectors and KV events.
+"""
+
+from dataclasses import dataclass, field
+
+from minicore.request import Request
+from minicore.scheduler.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+
+
+@dataclass(slots=True)
+class KVCacheBlocks:
+    """The blocks one allocation handed out (vLLM wraps a list per KV cache group)."""
+    blocks: list[KVCacheBlock] = field(default_factory=list)
+
+    def get_block_ids(self) -> list[int]:
+        return [block.block_id for block in self.blocks]
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    queries: int = 0  # tokens looked up
+    hits: int = 0  # tokens found cached
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many of a request's leading blocks are already cached (hashed and registered).
+        self.num_cached_block: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    def _update_block_hashes(self, request: Request) -> list[bytes]:
+        """Extend the request's chain hashes over every full block of known tokens."""
+        hashes, bs, tokens = request.block_hashes, self.block_size, request.all_token_ids
+        for i in range(len(hashes), len(tokens) // bs):
+            parent = hashes[i - 1] if i else None
+            extra = request.cache_salt.encode() if i == 0 and request.cache_salt else b""
+            hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], extra))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of cached full blocks from the request's start, and its length in
+        tokens. The last token is always recomputed: the model must run on at least one token to
+        produce the logits the request samples from."""
+        if not self.enable_caching:
+            return [], 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in self._update_block_hashes(request)[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_cache_query(self, num_tokens: int, num_hits: int) -> None:
+        self.prefix_cache_stats.queries += num_tokens
+        self.prefix_cache_stats.hits += num_hits
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       num_new_computed_tokens: int = 0,
+                       new_computed_blocks: list[KVCacheBlock] | None = None) -> KVCacheBlocks | None:
+        """Make room for num_new_tokens more tokens after the request's computed ones (plus the
+        prefix hit being taken now). Returns the newly allocated blocks, or None, having changed
+        nothing, when the pool cannot supply them."""
+        req_id = request.request_id
+        blocks = self.req_to_blocks.setdefault(req_id, [])
+        computed = new_computed_blocks or []
+        num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_new_blocks = -(-num_tokens // self.block_size) - len(blocks) - len(computed)
+        # Cached blocks sitting in the free queue stop being free once this request takes them.
+        num_evictable_computed = sum(1 for block in computed if block.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable_computed:
+            if not blocks:
+                del self.req_to_blocks[req_id]
+            return None
+
+        if computed:
+            self.block_pool.touch(computed)
+            blocks.extend(computed)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
+        blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, num_tokens)
+        return KVCacheBlocks(new_blocks)
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        num_full = num_tokens // self.block_size
+        req_id = request.request_id
+        start = self.num_cached_block.get(req_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._update_block_hashes(request)
+        for i in range(start, num_full):
+            if blocks[i].block_hash is None:
+                self.block_pool.cache_block(blocks[i], hashes[i])
+        self.num_cached_block[req_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release a request's blocks, tail first, so that under memory pressure the end of its
+        sequence is evicted before the prefix other requests are likelier to share."""
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_block.pop(request.request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()

@@ -1,0 +1,47 @@
+"""SchedulerOutput: what one step runs, as the model runner needs it.
+
+Mirrors vllm/v1/core/sched/output.py. As in vLLM's v2 model runner, a request resumed after
+preemption is sent as new (with all its token ids), so the runner keeps no state across a
+preemption. Left out: speculative tokens, encoder inputs, KV-connector metadata.
+"""
+
+from dataclasses import dataclass, field
+
+from minicore.request import Request
+from minicore.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    req_id: str
+    # Prompt plus any output tokens kept through a preemption.
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @classmethod
+    def from_request(cls, request: Request, block_ids: list[int]) -> "NewRequestData":
+        return cls(request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
+                   request.sampling_params, block_ids, request.num_computed_tokens)
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Requests the runner already knows: only what changed this step."""
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    preempted_req_ids: set[str]
+    # Finished (stopped or aborted) since the previous step: the runner drops their state.
+    finished_req_ids: set[str]
+

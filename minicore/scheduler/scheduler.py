@@ -1,0 +1,241 @@
+"""Scheduler: which requests run this step, with how many tokens, in which KV blocks.
+
+Mirrors vllm/v1/core/sched/scheduler.py. There is no prefill or decode phase: each request has
+num_computed_tokens and num_tokens, and every step hands out a token budget so that the first
+catches up with the second; chunked prefill, prefix caching and preemption by recompute all follow.
+Left out: speculative decoding, encoders, LoRA, structured output, KV connectors, async scheduling.
+"""
+
+from minicore.config import CacheConfig, SchedulerConfig
+from minicore.outputs import ModelRunnerOutput
+from minicore.protocol import EngineCoreOutput, SchedulerStats
+from minicore.request import Request, RequestStatus
+from minicore.scheduler.kv_cache_manager import KVCacheManager
+from minicore.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from minicore.scheduler.request_queue import create_request_queue
+
+RUNNING = RequestStatus.RUNNING
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig):
+        if cache_config.num_blocks is None:
+            raise ValueError("cache_config.num_blocks must be set before building a Scheduler")
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_num_running_reqs = scheduler_config.max_num_seqs
+        self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.policy = scheduler_config.policy
+        self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
+                                               cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        # Finished since the last schedule(); the next SchedulerOutput tells the runner.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_tokens > self.max_model_len:
+            raise ValueError(f"request {request.request_id!r}: the prompt has {request.num_tokens} "
+                             f"tokens, more than max_model_len ({self.max_model_len})")
+        self.waiting.add_request(request)
+        self.requests[request.request_id] = request
+
+    def finish_requests(self, request_ids, finished_status: RequestStatus) -> None:
+        """Finish requests from outside (abort); unknown or already finished ids are ignored."""
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"{finished_status!r} is not a finished status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        self._finish([(self.requests[i], finished_status) for i in request_ids if i in self.requests])
+
+    def _finish(self, finished: list[tuple[Request, RequestStatus]]) -> None:
+        running = {request for request, _ in finished if request.status == RUNNING}
+        if running:
+            self.running = [r for r in self.running if r not in running]
+        for request, status in finished:
+            if request.status != RUNNING:
+                self.waiting.remove_request(request)
+            request.status = status
+            self.kv_cache_manager.free(request)
+            del self.requests[request.request_id]
+            self.finished_req_ids.add(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or bool(self.waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def get_request_counts(self) -> tuple[int, int]:
+        return len(self.running), len(self.waiting)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        stats = self.kv_cache_manager.prefix_cache_stats
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv_cache_manager.usage,
+                              stats.queries, stats.hits, self.num_preemptions)
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def _admission_gated(self) -> bool:
+        """Whether to admit no waiting request this step (BalanceScheduler's gate)."""
+        return False
+
+    def _pick_victim(self) -> Request:
+        """Remove and return the running request to preempt: the last one under FCFS, the worst
+        (priority, arrival_time) under the priority policy."""
+        if self.policy == "priority":
+            victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+            self.running.remove(victim)
+            return victim
+        return self.running.pop()
+
+    def _preempt_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend_request(request)
+
+    def schedule(self) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        token_budget = self.max_num_scheduled_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}
+        scheduled_running: list[Request] = []
+        scheduled_new: list[Request] = []
+        preempted: list[Request] = []
+
+        # RUNNING requests first, in order.
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
+            num_new_tokens = min(num_new_tokens, token_budget)
+            if num_new_tokens == 0:
+                req_index += 1
+                continue
+            while (new_blocks := kv.allocate_slots(request, num_new_tokens)) is None:
+                victim = self._pick_victim()
+                if victim.request_id in num_scheduled_tokens:
+                    # Already scheduled this step (priority policy only): take its tokens back.
+                    scheduled_running.remove(victim)
+                    token_budget += num_scheduled_tokens.pop(victim.request_id)
+                    del new_block_ids[victim.request_id]
+                    req_index -= 1
+                self._preempt_request(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            scheduled_running.append(request)
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            new_block_ids[request.request_id] = new_blocks.get_block_ids()
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        # Then WAITING requests, unless this step had to preempt.
+        if not preempted and not self._admission_gated():
+            chunked = self.scheduler_config.enable_chunked_prefill
+            while self.waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs:
+                request = self.waiting.peek_request()
+                computed_blocks, num_computed = kv.get_computed_blocks(request)
+                num_new_tokens = request.num_tokens - num_computed
+                if 0 < threshold < num_new_tokens:
+                    num_new_tokens = threshold
+                if not chunked and num_new_tokens > token_budget:
+                    break
+                num_new_tokens = min(num_new_tokens, token_budget)
+                if kv.allocate_slots(request, num_new_tokens, num_computed, computed_blocks) is None:
+                    break
+                self.waiting.pop_request()
+                kv.record_prefix_cache_query(request.num_tokens, num_computed)
+                self.running.append(request)
+                request.status = RUNNING
+                request.num_computed_tokens = num_computed
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_computed
+                scheduled_new.append(request)
+                num_scheduled_tokens[request.request_id] = num_new_tokens
+                token_budget -= num_new_tokens
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=[NewRequestData.from_request(r, kv.get_block_ids(r.request_id))
+                                for r in scheduled_new],
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=[r.request_id for r in scheduled_running],
+                new_block_ids=[new_block_ids[r.request_id] for r in scheduled_running],
+                num_computed_tokens=[r.num_computed_tokens for r in scheduled_running]),
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=self.max_num_scheduled_tokens - token_budget,
+            preempted_req_ids={r.request_id for r in preempted},
+            finished_req_ids=self.finished_req_ids,
+        )
+        self.finished_req_ids = set()
+        # Scheduled tokens count as computed at once, so a long prompt's next chunk can be
+        # scheduled before this step's output is back.
+        for request in scheduled_running:
+            request.num_computed_tokens += num_scheduled_tokens[request.request_id]
+        for request in scheduled_new:
+            request.num_computed_tokens += num_scheduled_tokens[request.request_id]
+        return output
+
+    # ---- after the forward ---------------------------------------------------------------------
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        """The status the request's newest token finishes it with, if any."""
+        params = request.sampling_params
+        num_output_tokens = len(request.output_token_ids)
+        if num_output_tokens >= params.min_tokens:
+            last_token_id = request.output_token_ids[-1]
+            if last_token_id == request.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if last_token_id in params.stop_token_ids:
+                request.stop_reason = last_token_id
+                return RequestStatus.FINISHED_STOPPED
+        if ((params.max_tokens is not None and num_output_tokens >= params.max_tokens)
+                or request.num_tokens >= self.max_model_len):
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, stop finished requests, free their blocks; return the new tokens
+        per request. Outputs of requests aborted while the step ran are dropped."""
+        sampled_token_ids = model_runner_output.sampled_token_ids
+        req_id_to_index = model_runner_output.req_id_to_index
+        outputs: list[EngineCoreOutput] = []
+        finished: list[tuple[Request, RequestStatus]] = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            index = req_id_to_index.get(req_id)
+            if request is None or index is None or not sampled_token_ids[index]:
+                continue
+            new_token_ids = sampled_token_ids[index]
+            status = None
+            for n, token_id in enumerate(new_token_ids):
+                request.append_output_token_id(token_id)
+                if (status := self._check_stop(request)) is not None:
+                    new_token_ids = new_token_ids[:n + 1]
+                    finished.append((request, status))
+                    break
+            outputs.append(EngineCoreOutput(
+                req_id, new_token_ids, RequestStatus.get_finished_reason(status) if status else None,
+                request.stop_reason, max(request.num_cached_tokens, 0)))
+        if finished:
+            self._finish(finished)
+        return outputs

