@@ -4,7 +4,7 @@ Mirrors vllm/config/ (SchedulerConfig, CacheConfig, ParallelConfig, ModelConfig,
 only the knobs minicore implements. Pure Python: the scheduler imports it without torch.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -47,12 +47,32 @@ class CacheConfig:
     # Set by the model runner from the memory it may use, before a Scheduler is built.
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    # KV cache size: on CPU a fixed number of bytes; on CUDA a fraction of the GPU's memory, what
+    # the profiling forward leaves over.
+    kv_cache_memory: int = 1 << 30
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self):
+        if self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {self.num_blocks}")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    # A safetensors directory or a .gguf file; None is the default SmolLM2-135M-Instruct.
+    model: str | None = None
+    # None: float32 on CPU, bfloat16 on CUDA.
+    dtype: str | None = None
+    # None: CUDA when available.
+    device: str | None = None
+    # Seeds the sampler of requests that bring no seed of their own.
+    seed: int = 0
 
 
 @dataclass(slots=True)
@@ -63,6 +83,22 @@ class ParallelConfig:
 
 @dataclass(slots=True)
 class EngineConfig:
+    model_config: ModelConfig = field(default_factory=ModelConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+def create_engine_config(**kwargs) -> EngineConfig:
+    """Build an EngineConfig from flat keyword arguments (vLLM's EngineArgs names), each routed to
+    the sub-config that has a field of that name. scheduling_policy is vLLM's name for policy."""
+    if "scheduling_policy" in kwargs:
+        kwargs["policy"] = kwargs.pop("scheduling_policy")
+    parts = {}
+    for name, cls in (("model_config", ModelConfig), ("scheduler_config", SchedulerConfig),
+                      ("cache_config", CacheConfig), ("parallel_config", ParallelConfig)):
+        names = {f.name for f in fields(cls)}
+        parts[name] = cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
+    if kwargs:
+        raise TypeError(f"unknown engine argument(s): {', '.join(sorted(kwargs))}")
+    return EngineConfig(**parts)

@@ -5,6 +5,7 @@ beam search or structured output). Invalid values raise ValueError at constructi
 reaches the scheduler.
 """
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -16,8 +17,8 @@ def _check_int(name: str, value, minimum: int) -> None:
 
 
 def _check_number(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
     return float(value)
 
 
@@ -33,6 +34,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
+    # Stop strings, matched on the detokenized text; the text is cut before the match.
+    stop: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         if self.max_tokens is not None:
@@ -48,6 +51,11 @@ class SamplingParams:
             self.top_k = 0
         if self.seed is not None:
             _check_int("seed", self.seed, -(2**63))
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(x, str) and x for x in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop = list(self.stop)
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         for token_id in self.stop_token_ids:

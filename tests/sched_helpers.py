@@ -25,7 +25,7 @@ _prompt_base = itertools.count(1)
 
 def make_scheduler(
     *,
-    max_num_seqs: int = 16,
+    max_num_seqs: int = 8,
     max_num_batched_tokens: int = 64,
     max_model_len: int = 64,
     long_prefill_token_threshold: int = 0,

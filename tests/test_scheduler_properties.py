@@ -206,14 +206,16 @@ def traces(draw) -> Trace:
         else:
             prompt = draw(st.lists(st.integers(0, 1), min_size=length, max_size=length))
         max_tokens = draw(st.one_of(st.integers(1, 24), st.integers(1, 24), st.none()))
-        min_tokens = draw(st.sampled_from([0, 0, 0, 1, 3]))
+        min_tokens = draw(st.sampled_from([0, 0, 0, 1, 3, 6]))
         if max_tokens is not None:
             min_tokens = min(min_tokens, max_tokens)
         params = dict(
             max_tokens=max_tokens,
             min_tokens=min_tokens,
             ignore_eos=draw(st.booleans()) if eos is not None else False,
-            stop_token_ids=draw(st.sampled_from([[], [], [], [3], [2, 17]])),
+            stop_token_ids=draw(st.one_of(
+                st.sampled_from([[], [], [3], [2, 17]]),
+                st.lists(st.integers(0, VOCAB - 1), min_size=3, max_size=10, unique=True))),
         )
         reqs.append(ReqSpec(
             req_id=f"r{i}",
@@ -328,12 +330,29 @@ def run_trace(t: Trace, step_cap: int = 4000):
     finished_since_schedule: set[str] = set()
     preempt_events = 0
     arrival = 0.0
+    # Shadow of the waiting queue in spec order (FCFS: arrival order, preempted to the front).
+    shadow_waiting: list[str] = []
+
+    def prio_key(rid: str):
+        r = reqs[rid]
+        return (r.priority, r.arrival_time)
+
+    def check_freed_in_reverse(rid: str, held_before: list[int], where: str) -> None:
+        """A finished request's blocks go to the free queue's tail in reverse order (its last
+        block is evicted first); shared blocks that are still in use stay out."""
+        pos = {b.block_id: i for i, b in
+               enumerate(_block_pool(s).free_block_queue.get_all_free_blocks())}
+        freed = [b for b in reversed(held_before) if b in pos]
+        assert [pos[b] for b in freed] == sorted(pos[b] for b in freed), (
+            f"{where}: blocks of {rid} {held_before} not freed in reverse order: "
+            f"free-queue positions {[pos[b] for b in freed]}")
 
     def abort(idx: int) -> None:
         rid = t.reqs[idx].req_id if idx >= 0 else "no-such-request"
         r = reqs.get(rid)
         was_finished = r is None or r.is_finished()
         before = (r.status, list(r.output_token_ids)) if r is not None else None
+        held_before = _block_ids(s, rid)
         s.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
         if r is None:
             return
@@ -344,6 +363,10 @@ def run_trace(t: Trace, step_cap: int = 4000):
         assert r.get_finished_reason() == FinishReason.ABORT
         assert rid not in s.requests
         aborted.add(rid)
+        if rid in shadow_waiting:
+            shadow_waiting.remove(rid)
+        check_freed_in_reverse(rid, held_before, f"abort of {rid}")
+        assert _block_ids(s, rid) == []
         finished_since_schedule.add(rid)
 
     step = 0
@@ -358,6 +381,7 @@ def run_trace(t: Trace, step_cap: int = 4000):
                         sampling_params=SamplingParams(**spec.params), eos_token_id=t.eos,
                         arrival_time=arrival, priority=spec.priority, cache_salt=spec.salt)
             s.add_request(r)
+            shadow_waiting.append(spec.req_id)
             reqs[spec.req_id] = r
         for idx in aborts.get((step, "before"), []):
             abort(idx)
@@ -366,6 +390,11 @@ def run_trace(t: Trace, step_cap: int = 4000):
         status_before = {rid: r.status for rid, r in s.requests.items()}
         computed_before = {rid: r.num_computed_tokens for rid, r in s.requests.items()}
         preempt_total_before = s.num_preemptions
+        running_before = [r.request_id for r in s.running]
+        if t.policy == "priority":
+            expected_admission = sorted(shadow_waiting, key=prio_key)
+        else:
+            expected_admission = list(shadow_waiting)
 
         out = s.schedule()
         where = f"step {step} after schedule"
@@ -394,6 +423,36 @@ def run_trace(t: Trace, step_cap: int = 4000):
         assert s.num_preemptions - preempt_total_before == len(preempted), where
         if preempted:
             assert not new_ids, f"{where}: admitted {new_ids} in a step that preempted {preempted}"
+        # Victims: FCFS takes them from the end of running; priority the worst (priority, arrival).
+        if preempted:
+            if t.policy == "fcfs":
+                assert set(running_before[len(running_before) - len(preempted):]) == set(preempted), (
+                    f"{where}: FCFS preempted {preempted}, running was {running_before}")
+                preempted_in_order = [rid for rid in running_before if rid in set(preempted)]
+            else:
+                worst_kept = max((prio_key(r.request_id) for r in s.running), default=None)
+                for rid in preempted:
+                    assert worst_kept is None or prio_key(rid) >= worst_kept, (
+                        f"{where}: priority preempted {rid} {prio_key(rid)} but kept {worst_kept}")
+                preempted_in_order = sorted(preempted, key=prio_key)
+            shadow_waiting[:0] = preempted_in_order
+        # Admission order: the head of the waiting queue, in policy order.
+        assert new_ids == expected_admission[: len(new_ids)], (
+            f"{where}: admitted {new_ids}, queue order was {expected_admission}")
+        for rid in new_ids:
+            shadow_waiting.remove(rid)
+        # RUNNING pass: the previously running requests that got tokens form a prefix of
+        # s.running (nothing is skipped); a tail left out with budget to spare means the pass
+        # stopped on preempting the request it was scheduling.
+        prev_running_now = [r.request_id for r in s.running if r.request_id in set(running_before)]
+        flags = [rid in nst for rid in prev_running_now]
+        assert flags == sorted(flags, reverse=True), (
+            f"{where}: running pass skipped a request: running {prev_running_now}, "
+            f"scheduled {list(nst)}")
+        if not all(flags) and out.total_num_scheduled_tokens < t.budget:
+            assert preempted, (
+                f"{where}: running requests left unscheduled with budget left "
+                f"({out.total_num_scheduled_tokens}/{t.budget}) and no preemption")
         for rid in preempted:
             r = s.requests[rid]
             assert rid not in nst, f"{where}: preempted {rid} still scheduled"
@@ -458,6 +517,7 @@ def run_trace(t: Trace, step_cap: int = 4000):
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=[sampled[r] for r in req_ids])
         alive_before = {rid for rid in nst if rid in s.requests}
+        held_before = {rid: _block_ids(s, rid) for rid in alive_before}
         outputs = s.update_from_output(out, mro)
         got = set()
         for o in outputs:
@@ -476,6 +536,8 @@ def run_trace(t: Trace, step_cap: int = 4000):
                 finished_since_schedule.add(rid)
                 assert rid not in s.requests
                 assert _block_ids(s, rid) == []
+                if sum(reqs[x].is_finished() for x in alive_before) == 1:
+                    check_freed_in_reverse(rid, held_before[rid], f"step {step} update")
         check_invariants(s, t, f"step {step} after update")
         step += 1
 

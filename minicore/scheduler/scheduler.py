@@ -53,7 +53,8 @@ class Scheduler:
             raise ValueError(f"{finished_status!r} is not a finished status")
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
-        self._finish([(self.requests[i], finished_status) for i in request_ids if i in self.requests])
+        self._finish([(self.requests[i], finished_status)
+                      for i in dict.fromkeys(request_ids) if i in self.requests])
 
     def _finish(self, finished: list[tuple[Request, RequestStatus]]) -> None:
         running = {request for request, _ in finished if request.status == RUNNING}

@@ -1,0 +1,133 @@
+"""BalanceScheduler: the admission gate driven by balance_counts (set by hand), for both thresholds
+("seed": max >= max_num_seqs - 1; "full": max >= max_num_seqs), running requests still scheduled
+while the gate is shut, one count per DP rank, and balance_gather over a real single-process gloo
+group (the only place these tests touch torch, in a subprocess)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from sched_helpers import make_request, make_scheduler, step
+
+from minicore.config import SchedulerConfig
+from minicore.scheduler import BalanceScheduler
+
+
+def _balance(threshold=None, dp_size=2, max_num_seqs=4):
+    kw = {} if threshold is None else {"balance_threshold": threshold}
+    return make_scheduler(cls=BalanceScheduler, dp_size=dp_size, max_num_seqs=max_num_seqs, **kw)
+
+
+def test_default_threshold_is_seed():
+    assert SchedulerConfig().balance_threshold == "seed"
+
+
+@pytest.mark.parametrize("dp_size", [1, 2, 3])
+def test_one_count_per_rank(dp_size):
+    s = _balance(dp_size=dp_size)
+    assert s.balance_counts == [0] * dp_size
+
+
+@pytest.mark.parametrize(
+    "threshold, counts, admitted",
+    [
+        ("seed", [0, 0], True),
+        ("seed", [2, 1], True),
+        ("seed", [3, 0], False),  # 3 >= max_num_seqs - 1
+        ("seed", [0, 3], False),
+        ("seed", [1, 4], False),
+        ("full", [3, 0], True),
+        ("full", [3, 3], True),
+        ("full", [0, 4], False),  # 4 >= max_num_seqs
+        ("full", [5, 0], False),
+        (None, [3, 0], False),  # default = seed
+        (None, [2, 2], True),
+    ],
+)
+def test_gate(threshold, counts, admitted):
+    s = _balance(threshold)
+    s.balance_counts[:] = counts
+    s.add_request(make_request("a", 4))
+    out, _ = step(s)
+    if admitted:
+        assert out.num_scheduled_tokens == {"a": 4}
+        assert s.get_request_counts() == (1, 0)
+    else:
+        assert out.num_scheduled_tokens == {}
+        assert s.get_request_counts() == (0, 1)
+    # reopening the gate admits it
+    s.balance_counts[:] = [0, 0]
+    step(s)
+    assert s.get_request_counts() == (1, 0)
+
+
+def test_gate_is_checked_before_any_admission_not_per_request():
+    # counts below the threshold: the local running count does not close the gate mid-step
+    s = _balance("seed", max_num_seqs=4)
+    for rid in "abcd":
+        s.add_request(make_request(rid, 2))
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"a": 2, "b": 2, "c": 2, "d": 2}
+
+
+@pytest.mark.parametrize("threshold, counts", [("seed", [3, 0]), ("full", [0, 4])])
+def test_running_requests_still_scheduled_while_gated(threshold, counts):
+    s = _balance(threshold)
+    s.add_request(make_request("a", 4, max_tokens=5))
+    assert step(s)[0].num_scheduled_tokens == {"a": 4}
+    s.balance_counts[:] = counts
+    s.add_request(make_request("b", 4))
+    out, eco = step(s)
+    assert out.num_scheduled_tokens == {"a": 1}
+    assert [o.request_id for o in eco] == ["a"]
+    assert s.get_request_counts() == (1, 1)
+
+
+def test_plain_scheduler_has_no_gate():
+    s = make_scheduler(max_num_seqs=4)
+    s.add_request(make_request("a", 4))
+    assert step(s)[0].num_scheduled_tokens == {"a": 4}
+
+
+_GATHER = textwrap.dedent(
+    """
+    import socket
+    import torch.distributed as dist
+    import sys
+    sys.path.insert(0, {tests_dir!r})
+    from sched_helpers import make_request, make_scheduler, step
+    from minicore.scheduler import BalanceScheduler
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=0,
+                            world_size=1)
+    try:
+        s = make_scheduler(cls=BalanceScheduler, dp_size=1, max_num_seqs=4)
+        for rid in "abc":
+            s.add_request(make_request(rid, 4))
+        s.balance_gather(dist.group.WORLD)
+        before = list(s.balance_counts)
+        s.schedule()
+        s.balance_gather(dist.group.WORLD)
+        print("COUNTS", before, list(s.balance_counts), type(s.balance_counts).__name__,
+              type(s.balance_counts[0]).__name__)
+    finally:
+        dist.destroy_process_group()
+    """
+)
+
+
+def test_balance_gather_single_process_gloo():
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run(
+        [sys.executable, "-c", _GATHER.format(tests_dir=tests_dir)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("COUNTS")][-1]
+    assert line == "COUNTS [0] [3] list int"
