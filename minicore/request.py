@@ -50,7 +50,8 @@ _FINISHED_REASONS = {
 class Request:
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_id",
                  "arrival_time", "priority", "cache_salt", "status", "stop_reason",
-                 "all_token_ids", "output_token_ids", "num_prompt_tokens", "num_computed_tokens",
+                 "all_token_ids", "output_token_ids", "num_prompt_tokens", "num_tokens",
+                 "num_computed_tokens",
                  "num_cached_tokens", "num_preemptions", "block_hashes")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
@@ -71,16 +72,14 @@ class Request:
         self.all_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_prompt_tokens = len(prompt_token_ids)
+        # len(all_token_ids), kept as a field: the scheduler reads it for every request every step.
+        self.num_tokens = self.num_prompt_tokens
         self.num_computed_tokens = 0
         # The prefix-cache hit at first admission, in tokens; -1 until then.
         self.num_cached_tokens = -1
         self.num_preemptions = 0
         # Chain hashes of this request's full blocks, filled in by the KV cache manager.
         self.block_hashes: list[bytes] = []
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -93,6 +92,7 @@ class Request:
     def append_output_token_id(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        self.num_tokens += 1
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

@@ -715,3 +715,26 @@ def test_priority_victim_tie_broken_by_latest_arrival():
     assert set(out2.preempted_req_ids) == {"q"}
     assert out2.num_scheduled_tokens == {"p": 1}
     assert q.status == RequestStatus.PREEMPTED
+
+
+def test_priority_victim_scheduled_this_step_leaves_no_uncomputed_block_cached():
+    # x decodes alone until its 8th token completes its second block, which is hashed when that
+    # step allocates it. In that very step y (better priority, mid-prefill) cannot get its blocks:
+    # x is preempted after all, then y itself. x's second block never had its KV computed, so it
+    # must not stay in the prefix cache (a later prefix hit would read garbage); the first stays.
+    s = make_scheduler(block_size=4, num_blocks=7, max_num_batched_tokens=16, max_model_len=128,
+                       policy="priority")
+    x = make_request("x", 4, priority=1, arrival_time=0.0, max_tokens=40)
+    s.add_request(x)
+    for _ in range(3):
+        step(s)
+    s.add_request(make_request("y", 40, priority=0, arrival_time=1.0, max_tokens=40))
+    step(s)
+    assert x.num_computed_tokens == 7
+    out, _ = step(s)
+    assert out.preempted_req_ids == {"x", "y"} and out.num_scheduled_tokens == {}
+    cached = {b.block_hash for b in s.kv_cache_manager.block_pool.blocks if b.block_hash}
+    assert x.block_hashes[0] in cached
+    assert x.block_hashes[1] not in cached, "a block whose KV was never computed is cached"
+    probe = make_request("probe", x.all_token_ids[:9])
+    assert s.kv_cache_manager.get_computed_blocks(probe)[1] == 4

@@ -391,6 +391,9 @@ def run_trace(t: Trace, step_cap: int = 4000):
         computed_before = {rid: r.num_computed_tokens for rid, r in s.requests.items()}
         preempt_total_before = s.num_preemptions
         running_before = [r.request_id for r in s.running]
+        held_prev = {rid: set(_block_ids(s, rid)) for rid in running_before}
+        free_prev = {b.block_id for b in _block_pool(s).free_block_queue.get_all_free_blocks()}
+        hash_prev = [_hash_of(b) for b in _all_blocks(s)]
         if t.policy == "priority":
             expected_admission = sorted(shadow_waiting, key=prio_key)
         else:
@@ -486,7 +489,25 @@ def run_trace(t: Trace, step_cap: int = 4000):
                 assert r.num_computed_tokens == r.num_tokens, where
         check_invariants(s, t, where)
 
-        # --- fake forward: write scheduled tokens into the paged KV, then sample by reading back
+        # --- fake forward: write scheduled tokens into the paged KV, then sample by reading back.
+        # A block handed out afresh this step holds garbage for its new owner: clear it first.
+        # Fresh = a scheduled request's block past its prefix hit that it did not hold before, or
+        # a block that was free before this step and got a new hash (taken, then freed again by
+        # a preemption within the step).
+        blocks_now = _all_blocks(s)
+        fresh: set[int] = set()
+        for rid, n in nst.items():
+            ids = _block_ids(s, rid)
+            if rid in held_prev:
+                fresh.update(b for b in ids if b not in held_prev[rid])
+            else:
+                fresh.update(ids[(s.requests[rid].num_computed_tokens - n) // bs:])
+        for b in free_prev:
+            h = _hash_of(blocks_now[b])
+            if h is not None and h != hash_prev[b]:
+                fresh.add(b)
+        for b in fresh:
+            kv[b] = [None] * bs
         sampled: dict[str, list[int]] = {}
         for rid, n in nst.items():
             r = s.requests[rid]
@@ -494,6 +515,13 @@ def run_trace(t: Trace, step_cap: int = 4000):
             toks = r.all_token_ids
             for p in range(r.num_computed_tokens - n, r.num_computed_tokens):
                 kv[ids[p // bs]][p % bs] = (toks[p], r.cache_salt)
+        # Every block in the prefix cache must hold computed KV once this step's forward is done:
+        # a hit on it skips computing those positions.
+        for b in blocks_now[1:]:
+            if _hash_of(b) is not None and None in kv[b.block_id]:
+                raise AssertionError(
+                    f"{where}: block {b.block_id} is in the prefix cache (ref_cnt {b.ref_cnt}) "
+                    f"but its KV was never computed: {kv[b.block_id]}")
         for rid, n in nst.items():
             r = s.requests[rid]
             if r.num_computed_tokens < r.num_tokens:
@@ -616,6 +644,30 @@ def test_pinned_heavy_preemption(policy: str, chunked: bool, prefix_caching: boo
               aborts=[(6, 3, "during"), (9, 4, "before")])
     s, _ = run_trace(t)
     assert s.num_preemptions > 0, "pinned trace was meant to preempt"
+
+
+def test_unscheduled_priority_victim_leaves_no_uncomputed_block_cached() -> None:
+    """A priority victim that was already scheduled this step is unscheduled and freed; blocks
+    its (now cancelled) chunk would have filled must not stay in the prefix cache, or a later hit
+    (here: the victim itself on resume) reads KV that was never computed.
+
+    Step 0: V (priority 1, 18-token prompt, chunks of 6) computes 0..5.  Step 1: V computes 6..11;
+    C (priority 0, 12 tokens) is admitted with 0..5.  Step 2: V is scheduled for 12..17 (its
+    block 3, positions 12..15, becomes full and is hashed), then C cannot get a block, V is the
+    worst running request and is preempted, its tokens handed back.  C finishes (max_tokens=1).
+    Step 3: V resumes; a prefix hit on block 3 would skip positions 12..15, never computed.
+    """
+    v = ReqSpec("V", list(range(1, 19)),
+                dict(max_tokens=4, min_tokens=0, ignore_eos=False, stop_token_ids=[]),
+                arrival_step=0, priority=1, salt=None)
+    c = ReqSpec("C", list(range(20, 32)),
+                dict(max_tokens=1, min_tokens=0, ignore_eos=False, stop_token_ids=[]),
+                arrival_step=1, priority=0, salt=None)
+    t = Trace(block_size=4, num_blocks=8, max_model_len=24, budget=64, max_num_seqs=4,
+              chunked=True, prefix_caching=True, policy="priority", threshold=6, eos=None,
+              reqs=[v, c])
+    s, _ = run_trace(t)
+    assert s.num_preemptions == 1
 
 
 # ----------------------------------------------------------------------------- free queue

@@ -119,11 +119,11 @@ class BlockPool:
         blocks = self.free_block_queue.popleft_n(n)
         for block in blocks:
             if block.block_hash is not None:
-                self._evict(block)
+                self.evict_cached_block(block)
             block.ref_cnt = 1
         return blocks
 
-    def _evict(self, block: KVCacheBlock) -> None:
+    def evict_cached_block(self, block: KVCacheBlock) -> None:
         del self.cached_block_hash_to_block[block.block_hash]
         block.block_hash = None
 

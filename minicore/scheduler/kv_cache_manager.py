@@ -20,6 +20,9 @@ class KVCacheBlocks:
         return [block.block_id for block in self.blocks]
 
 
+_NO_BLOCKS = KVCacheBlocks()
+
+
 @dataclass(slots=True)
 class PrefixCacheStats:
     queries: int = 0  # tokens looked up
@@ -73,42 +76,50 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        num_new_computed_tokens: int = 0,
-                       new_computed_blocks: list[KVCacheBlock] | None = None) -> KVCacheBlocks | None:
+                       new_computed_blocks: list[KVCacheBlock] = ()) -> KVCacheBlocks | None:
         """Make room for num_new_tokens more tokens after the request's computed ones (plus the
         prefix hit being taken now). Returns the newly allocated blocks, or None, having changed
         nothing, when the pool cannot supply them."""
         req_id = request.request_id
-        blocks = self.req_to_blocks.setdefault(req_id, [])
-        computed = new_computed_blocks or []
+        blocks = self.req_to_blocks.get(req_id)
+        if blocks is None:
+            blocks = []
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_new_blocks = -(-num_tokens // self.block_size) - len(blocks) - len(computed)
-        # Cached blocks sitting in the free queue stop being free once this request takes them.
-        num_evictable_computed = sum(1 for block in computed if block.ref_cnt == 0)
-        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable_computed:
-            if not blocks:
-                del self.req_to_blocks[req_id]
-            return None
-
-        if computed:
-            self.block_pool.touch(computed)
-            blocks.extend(computed)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
-        blocks.extend(new_blocks)
-        if self.enable_caching:
+        num_new_blocks = -(-num_tokens // self.block_size) - len(blocks) - len(new_computed_blocks)
+        new_blocks = _NO_BLOCKS
+        # Most decode steps need no new block and bring no prefix hit: nothing to allocate.
+        if num_new_blocks > 0 or new_computed_blocks:
+            # Cached blocks sitting in the free queue stop being free once this request takes them.
+            num_evictable = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+            if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable:
+                return None
+            self.block_pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+            if num_new_blocks > 0:
+                new_blocks = KVCacheBlocks(self.block_pool.get_new_blocks(num_new_blocks))
+                blocks.extend(new_blocks.blocks)
+            self.req_to_blocks[req_id] = blocks
+        if self.enable_caching and num_tokens // self.block_size > self.num_cached_block.get(req_id, 0):
             self._cache_full_blocks(request, blocks, num_tokens)
-        return KVCacheBlocks(new_blocks)
+        return new_blocks
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         num_full = num_tokens // self.block_size
         req_id = request.request_id
         start = self.num_cached_block.get(req_id, 0)
-        if num_full <= start:
-            return
         hashes = self._update_block_hashes(request)
         for i in range(start, num_full):
             if blocks[i].block_hash is None:
                 self.block_pool.cache_block(blocks[i], hashes[i])
         self.num_cached_block[req_id] = num_full
+
+    def uncache_blocks_after(self, request: Request, num_computed_tokens: int) -> None:
+        """Drop the cache entries of the request's blocks past num_computed_tokens: they were
+        hashed when scheduled, but the step that was to compute them will not run them."""
+        blocks = self.req_to_blocks.get(request.request_id, ())
+        for block in blocks[num_computed_tokens // self.block_size:]:
+            if block.block_hash is not None:
+                self.block_pool.evict_cached_block(block)
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first, so that under memory pressure the end of its

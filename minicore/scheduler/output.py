@@ -34,6 +34,15 @@ class CachedRequestData:
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 
+    def add(self, req_id: str, new_block_ids: list[int], num_computed_tokens: int) -> None:
+        self.req_ids.append(req_id)
+        self.new_block_ids.append(new_block_ids)
+        self.num_computed_tokens.append(num_computed_tokens)
+
+    def remove(self, req_id: str) -> None:
+        i = self.req_ids.index(req_id)
+        del self.req_ids[i], self.new_block_ids[i], self.num_computed_tokens[i]
+
 
 @dataclass(slots=True)
 class SchedulerOutput:

@@ -113,29 +113,35 @@ class Scheduler:
         threshold = self.scheduler_config.long_prefill_token_threshold
         token_budget = self.max_num_scheduled_tokens
         num_scheduled_tokens: dict[str, int] = {}
-        new_block_ids: dict[str, list[int]] = {}
-        scheduled_running: list[Request] = []
-        scheduled_new: list[Request] = []
+        cached_reqs = CachedRequestData()
+        new_reqs: list[NewRequestData] = []
         preempted: list[Request] = []
+        # A scheduled request's tokens count as computed at once, so that a long prompt's next
+        # chunk can be scheduled before this step's output is back. The output records the
+        # counts from before this step.
 
-        # RUNNING requests first, in order.
+        # RUNNING requests first, in order. (running is only changed in place until the end.)
+        running, allocate_slots = self.running, kv.allocate_slots
         req_index = 0
-        while req_index < len(self.running) and token_budget > 0:
-            request = self.running[req_index]
+        while req_index < len(running) and token_budget > 0:
+            request = running[req_index]
             num_new_tokens = request.num_tokens - request.num_computed_tokens
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
-            num_new_tokens = min(num_new_tokens, token_budget)
+            if num_new_tokens > token_budget:
+                num_new_tokens = token_budget
             if num_new_tokens == 0:
                 req_index += 1
                 continue
-            while (new_blocks := kv.allocate_slots(request, num_new_tokens)) is None:
+            while (new_blocks := allocate_slots(request, num_new_tokens)) is None:
                 victim = self._pick_victim()
                 if victim.request_id in num_scheduled_tokens:
-                    # Already scheduled this step (priority policy only): take its tokens back.
-                    scheduled_running.remove(victim)
-                    token_budget += num_scheduled_tokens.pop(victim.request_id)
-                    del new_block_ids[victim.request_id]
+                    # Already scheduled this step (priority policy only): take its tokens back,
+                    # and un-cache the blocks it was about to fill.
+                    num_victim_tokens = num_scheduled_tokens.pop(victim.request_id)
+                    token_budget += num_victim_tokens
+                    kv.uncache_blocks_after(victim, victim.num_computed_tokens - num_victim_tokens)
+                    cached_reqs.remove(victim.request_id)
                     req_index -= 1
                 self._preempt_request(victim)
                 preempted.append(victim)
@@ -143,16 +149,18 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break
-            scheduled_running.append(request)
             num_scheduled_tokens[request.request_id] = num_new_tokens
-            new_block_ids[request.request_id] = new_blocks.get_block_ids()
+            cached_reqs.add(request.request_id,
+                            new_blocks.get_block_ids() if new_blocks.blocks else [],
+                            request.num_computed_tokens)
+            request.num_computed_tokens += num_new_tokens
             token_budget -= num_new_tokens
             req_index += 1
 
         # Then WAITING requests, unless this step had to preempt.
         if not preempted and not self._admission_gated():
             chunked = self.scheduler_config.enable_chunked_prefill
-            while self.waiting and token_budget > 0 and len(self.running) < self.max_num_running_reqs:
+            while self.waiting and token_budget > 0 and len(running) < self.max_num_running_reqs:
                 request = self.waiting.peek_request()
                 computed_blocks, num_computed = kv.get_computed_blocks(request)
                 num_new_tokens = request.num_tokens - num_computed
@@ -161,38 +169,29 @@ class Scheduler:
                 if not chunked and num_new_tokens > token_budget:
                     break
                 num_new_tokens = min(num_new_tokens, token_budget)
-                if kv.allocate_slots(request, num_new_tokens, num_computed, computed_blocks) is None:
+                if allocate_slots(request, num_new_tokens, num_computed, computed_blocks) is None:
                     break
                 self.waiting.pop_request()
                 kv.record_prefix_cache_query(request.num_tokens, num_computed)
-                self.running.append(request)
+                running.append(request)
                 request.status = RUNNING
-                request.num_computed_tokens = num_computed
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_computed
-                scheduled_new.append(request)
+                request.num_computed_tokens = num_computed
+                new_reqs.append(NewRequestData.from_request(request, kv.get_block_ids(request.request_id)))
+                request.num_computed_tokens += num_new_tokens
                 num_scheduled_tokens[request.request_id] = num_new_tokens
                 token_budget -= num_new_tokens
 
         output = SchedulerOutput(
-            scheduled_new_reqs=[NewRequestData.from_request(r, kv.get_block_ids(r.request_id))
-                                for r in scheduled_new],
-            scheduled_cached_reqs=CachedRequestData(
-                req_ids=[r.request_id for r in scheduled_running],
-                new_block_ids=[new_block_ids[r.request_id] for r in scheduled_running],
-                num_computed_tokens=[r.num_computed_tokens for r in scheduled_running]),
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=self.max_num_scheduled_tokens - token_budget,
             preempted_req_ids={r.request_id for r in preempted},
             finished_req_ids=self.finished_req_ids,
         )
         self.finished_req_ids = set()
-        # Scheduled tokens count as computed at once, so a long prompt's next chunk can be
-        # scheduled before this step's output is back.
-        for request in scheduled_running:
-            request.num_computed_tokens += num_scheduled_tokens[request.request_id]
-        for request in scheduled_new:
-            request.num_computed_tokens += num_scheduled_tokens[request.request_id]
         return output
 
     # ---- after the forward ---------------------------------------------------------------------
@@ -200,9 +199,10 @@ class Scheduler:
     def _check_stop(self, request: Request) -> RequestStatus | None:
         """The status the request's newest token finishes it with, if any."""
         params = request.sampling_params
-        num_output_tokens = len(request.output_token_ids)
+        output_token_ids = request.output_token_ids
+        num_output_tokens = len(output_token_ids)
         if num_output_tokens >= params.min_tokens:
-            last_token_id = request.output_token_ids[-1]
+            last_token_id = output_token_ids[-1]
             if last_token_id == request.eos_token_id and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
             if last_token_id in params.stop_token_ids:
@@ -218,25 +218,23 @@ class Scheduler:
         """Append sampled tokens, stop finished requests, free their blocks; return the new tokens
         per request. Outputs of requests aborted while the step ran are dropped."""
         sampled_token_ids = model_runner_output.sampled_token_ids
-        req_id_to_index = model_runner_output.req_id_to_index
+        requests, check_stop = self.requests, self._check_stop
         outputs: list[EngineCoreOutput] = []
         finished: list[tuple[Request, RequestStatus]] = []
-        for req_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(req_id)
-            index = req_id_to_index.get(req_id)
-            if request is None or index is None or not sampled_token_ids[index]:
-                continue
+        for req_id, index in model_runner_output.req_id_to_index.items():
             new_token_ids = sampled_token_ids[index]
+            if not new_token_ids or (request := requests.get(req_id)) is None:
+                continue
             status = None
             for n, token_id in enumerate(new_token_ids):
                 request.append_output_token_id(token_id)
-                if (status := self._check_stop(request)) is not None:
+                if (status := check_stop(request)) is not None:
                     new_token_ids = new_token_ids[:n + 1]
                     finished.append((request, status))
                     break
             outputs.append(EngineCoreOutput(
                 req_id, new_token_ids, RequestStatus.get_finished_reason(status) if status else None,
-                request.stop_reason, max(request.num_cached_tokens, 0)))
+                request.stop_reason, request.num_cached_tokens))
         if finished:
             self._finish(finished)
         return outputs
