@@ -12,9 +12,10 @@ The fake model's work (building ModelRunnerOutput: one token per request that sa
 request mid-prefill) and add_request() are not timed.  Each scenario is measured in several
 repeats of many steps; the table shows the median over repeats of the mean per step.
 
-    python benchmarks/bench_scheduler.py            # full run, writes benchmarks/results/bench_scheduler.json
-    python benchmarks/bench_scheduler.py --quick    # a short run
-    python benchmarks/bench_scheduler.py --profile  # cProfile of decode-256, top functions by tottime
+    python benchmarks/bench_scheduler.py             # full run; JSON to benchmarks/results/
+    python benchmarks/bench_scheduler.py --quick     # a short run
+    python benchmarks/bench_scheduler.py --profile   # also cProfile decode-256 (top by tottime)
+    python benchmarks/bench_scheduler.py --gc-freeze # gc.freeze() after set-up, as an engine does
 """
 
 from __future__ import annotations
@@ -176,8 +177,11 @@ def time_steps(sc: Scenario, s: Scheduler, steps: int) -> dict:
             "running": running / steps, "tokens": tokens / steps}
 
 
-def run_scenario(sc: Scenario, repeats: int, steps: int) -> dict:
+def run_scenario(sc: Scenario, repeats: int, steps: int, gc_freeze: bool = False) -> dict:
     s = sc.setup()
+    if gc_freeze:  # what an engine does after start-up: long-lived objects leave the GC's view
+        gc.collect()
+        gc.freeze()
     reps = []
     for _ in range(repeats):
         gc.collect()
@@ -186,7 +190,7 @@ def run_scenario(sc: Scenario, repeats: int, steps: int) -> dict:
     upd = statistics.median(r["update_us"] for r in reps)
     total = statistics.median(r["schedule_us"] + r["update_us"] for r in reps)
     running = statistics.mean(r["running"] for r in reps)
-    return {
+    result = {
         "scenario": sc.name, "running": running,
         "tokens_per_step": statistics.mean(r["tokens"] for r in reps),
         "schedule_us": sched, "update_us": upd, "total_us": total,
@@ -194,19 +198,28 @@ def run_scenario(sc: Scenario, repeats: int, steps: int) -> dict:
         "total_us_min": min(r["schedule_us"] + r["update_us"] for r in reps),
         "total_us_max": max(r["schedule_us"] + r["update_us"] for r in reps),
         "repeats": repeats, "steps_per_repeat": steps,
-        "preemptions": s.num_preemptions,
+        "preemptions": s.num_preemptions, "gc_freeze": gc_freeze,
     }
+    if gc_freeze:
+        gc.unfreeze()
+    del s
+    gc.collect()
+    return result
 
 
 def profile_decode(n: int, steps: int, top: int) -> str:
+    """cProfile of schedule() + update_from_output() only (the fake model is not profiled)."""
     sc = Decode(n, total_steps=steps + 64)
     s = sc.setup()
     prof = cProfile.Profile()
-    prof.enable()
     for _ in range(steps):
+        prof.enable()
         out = s.schedule()
-        s.update_from_output(out, fake_output(s, out))
-    prof.disable()
+        prof.disable()
+        mro = fake_output(s, out)
+        prof.enable()
+        s.update_from_output(out, mro)
+        prof.disable()
     buf = io.StringIO()
     stats = pstats.Stats(prof, stream=buf)
     stats.sort_stats("tottime").print_stats(top)
@@ -220,6 +233,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="timed steps per repeat")
     ap.add_argument("--profile", action="store_true",
                     help="also cProfile decode-256 and print the top functions by tottime")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="gc.freeze() after each scenario's set-up (default: plain GC)")
     ap.add_argument("--json", default=str(Path(__file__).resolve().parent / "results"
                                           / "bench_scheduler.json"))
     args = ap.parse_args()
@@ -229,8 +244,9 @@ def main() -> None:
 
     scenarios = [Decode(32, total_steps), Decode(256, total_steps), Decode(1024, total_steps),
                  PrefillMix(total_steps)]
-    print("minicore scheduler overhead per step (median of %d repeats x %d steps), Python %s"
-          % (repeats, steps, platform.python_version()))
+    print("minicore scheduler overhead per step (median of %d repeats x %d steps), Python %s, GC %s"
+          % (repeats, steps, platform.python_version(),
+             "frozen after set-up" if args.gc_freeze else "default"))
     print("reference: vLLM 0.32 v1 scheduler ~3,900 us/step at 256 running (2,800 schedule + "
           "1,100 update), ~540 us at 32; target < 500 us at 256, growth at most linear")
     hdr = (f"{'scenario':<13} {'running':>8} {'tok/step':>9} {'schedule us':>12} {'update us':>10} "
@@ -239,7 +255,7 @@ def main() -> None:
     print("-" * len(hdr))
     results = []
     for sc in scenarios:
-        r = run_scenario(sc, repeats, steps)
+        r = run_scenario(sc, repeats, steps, args.gc_freeze)
         results.append(r)
         print(f"{r['scenario']:<13} {r['running']:>8.1f} {r['tokens_per_step']:>9.0f} "
               f"{r['schedule_us']:>12.1f} {r['update_us']:>10.1f} {r['total_us']:>9.1f} "
@@ -270,7 +286,8 @@ def main() -> None:
     payload = {
         "benchmark": "bench_scheduler", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "python": platform.python_version(), "platform": platform.platform(),
-        "cpu_count": os.cpu_count(), "quick": args.quick, "block_size": BLOCK_SIZE,
+        "cpu_count": os.cpu_count(), "quick": args.quick, "gc_freeze": args.gc_freeze,
+        "block_size": BLOCK_SIZE,
         "results": results, "growth": growth, "verdict": verdict, "reference": REFERENCE,
     }
     if args.profile:

@@ -175,7 +175,7 @@ def traces(draw) -> Trace:
     else:
         # A resumed request recomputes prompt + outputs (up to max_model_len) in one go.
         budget = draw(st.integers(max_model_len, max_model_len + 40))
-    threshold = draw(st.sampled_from([0, 0, 0, 1, 3, 5, 16]))
+    threshold = draw(st.sampled_from([0, 0, 0, 1, 3, 5, 6, 16]))
     max_num_seqs = draw(st.integers(3, 8) if pressure else st.integers(1, 6))
     # Enough for one max-length request, and only a little more: preemption is common.
     num_blocks = cdiv(max_model_len, block_size) + 1 + draw(
@@ -187,6 +187,9 @@ def traces(draw) -> Trace:
             for _ in range(2)]
     n_req = draw(st.integers(5, 12) if pressure else st.integers(1, 8))
     salts = draw(st.sampled_from([[None], [None], [None, "x"], ["x", "y", None]]))
+    # "later-better": later arrivals get better priorities, so a running request's victim is
+    # often one scheduled earlier in the same step.
+    later_better = policy == "priority" and draw(st.booleans())
     reqs = []
     for i in range(n_req):
         length = draw(st.integers(1, max_prompt))
@@ -217,12 +220,17 @@ def traces(draw) -> Trace:
                 st.sampled_from([[], [], [3], [2, 17]]),
                 st.lists(st.integers(0, VOCAB - 1), min_size=3, max_size=10, unique=True))),
         )
+        arrival_step = draw(st.integers(0, 3) if pressure else st.integers(0, 12))
+        if later_better:
+            priority = -arrival_step
+        else:
+            priority = draw(st.integers(-2, 2)) if policy == "priority" else 0
         reqs.append(ReqSpec(
             req_id=f"r{i}",
             prompt=prompt,
             params=params,
-            arrival_step=draw(st.integers(0, 3) if pressure else st.integers(0, 12)),
-            priority=draw(st.integers(-2, 2)) if policy == "priority" else 0,
+            arrival_step=arrival_step,
+            priority=priority,
             salt=draw(st.sampled_from(salts)),
         ))
     aborts = draw(st.lists(
@@ -257,7 +265,8 @@ def check_invariants(s, t: Trace, where: str) -> None:
     holders: dict[int, int] = {}
     held: set[int] = set()
     for r in s.running:
-        assert r.status == RequestStatus.RUNNING, f"{where}: {r.request_id} in running is {r.status}"
+        assert r.status == RequestStatus.RUNNING, (
+            f"{where}: {r.request_id} in running is {r.status}")
         assert 0 <= r.num_computed_tokens <= r.num_tokens, (
             f"{where}: {r.request_id} computed {r.num_computed_tokens} > tokens {r.num_tokens}")
         assert r.num_computed_tokens <= t.max_model_len
@@ -429,7 +438,8 @@ def run_trace(t: Trace, step_cap: int = 4000):
         # Victims: FCFS takes them from the end of running; priority the worst (priority, arrival).
         if preempted:
             if t.policy == "fcfs":
-                assert set(running_before[len(running_before) - len(preempted):]) == set(preempted), (
+                tail = running_before[len(running_before) - len(preempted):]
+                assert set(tail) == set(preempted), (
                     f"{where}: FCFS preempted {preempted}, running was {running_before}")
                 preempted_in_order = [rid for rid in running_before if rid in set(preempted)]
             else:
@@ -542,7 +552,8 @@ def run_trace(t: Trace, step_cap: int = 4000):
             abort(idx)
 
         req_ids = list(nst)
-        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        mro = ModelRunnerOutput(req_ids=req_ids,
+                                req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=[sampled[r] for r in req_ids])
         alive_before = {rid for rid in nst if rid in s.requests}
         held_before = {rid: _block_ids(s, rid) for rid in alive_before}

@@ -5,6 +5,7 @@ preemption is sent as new (with all its token ids), so the runner keeps no state
 preemption. Left out: speculative tokens, encoder inputs, KV-connector metadata.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from minicore.request import Request
@@ -31,13 +32,8 @@ class NewRequestData:
 class CachedRequestData:
     """Requests the runner already knows: only what changed this step."""
     req_ids: list[str] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[Sequence[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
-
-    def add(self, req_id: str, new_block_ids: list[int], num_computed_tokens: int) -> None:
-        self.req_ids.append(req_id)
-        self.new_block_ids.append(new_block_ids)
-        self.num_computed_tokens.append(num_computed_tokens)
 
     def remove(self, req_id: str) -> None:
         i = self.req_ids.index(req_id)

@@ -15,6 +15,9 @@ from minicore.scheduler.output import CachedRequestData, NewRequestData, Schedul
 from minicore.scheduler.request_queue import create_request_queue
 
 RUNNING = RequestStatus.RUNNING
+# Shared by every request that needs no new block this step (most decode steps): one allocation
+# less per request per step.
+NO_NEW_BLOCKS: tuple[int, ...] = ()
 
 
 class Scheduler:
@@ -122,6 +125,9 @@ class Scheduler:
 
         # RUNNING requests first, in order. (running is only changed in place until the end.)
         running, allocate_slots = self.running, kv.allocate_slots
+        add_req_id = cached_reqs.req_ids.append
+        add_new_block_ids = cached_reqs.new_block_ids.append
+        add_num_computed = cached_reqs.num_computed_tokens.append
         req_index = 0
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
@@ -150,9 +156,9 @@ class Scheduler:
             if new_blocks is None:
                 break
             num_scheduled_tokens[request.request_id] = num_new_tokens
-            cached_reqs.add(request.request_id,
-                            new_blocks.get_block_ids() if new_blocks.blocks else [],
-                            request.num_computed_tokens)
+            add_req_id(request.request_id)
+            add_new_block_ids(new_blocks.get_block_ids() if new_blocks.blocks else NO_NEW_BLOCKS)
+            add_num_computed(request.num_computed_tokens)
             request.num_computed_tokens += num_new_tokens
             token_budget -= num_new_tokens
             req_index += 1
