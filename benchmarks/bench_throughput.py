@@ -1,0 +1,152 @@
+"""Offline throughput, side by side in one run: minicore LLM.generate vs transformers model.generate.
+
+Workloads (greedy, EOS ignored, same model and dtype for both engines):
+  uniform  64 prompts of 128 random token ids, 128 output tokens each
+  varied   64 prompts, input and output lengths drawn from 16..256 (seeded)
+transformers runs each workload as one left-padded batch with max_new_tokens set to the longest
+requested output, so padding and sequences that are done but still batched cost it time; only
+requested output tokens are counted for either engine.
+
+Roofline: the workload's matmul FLOPs (every linear layer for every token fed, attention scores
+and values over each token's context, the LM head for each sampled token), over the fp32 (or
+--dtype) matmul rate this script measures on the model's own layer shapes.
+
+    python benchmarks/bench_throughput.py [--workloads uniform varied] [--num-prompts 64] [--device cpu]
+"""
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from minicore.llm import LLM  # noqa: E402
+from minicore.model.attention import use_paged_attention  # noqa: E402
+from minicore.model.loader import load_model  # noqa: E402
+from minicore.sampling_params import SamplingParams  # noqa: E402
+
+
+def make_workload(name: str, n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    if name == "uniform":
+        lengths = [(128, 128)] * n
+    else:
+        lengths = [(rng.randint(16, 256), rng.randint(16, 256)) for _ in range(n)]
+    # Token ids away from the special tokens at the start of the vocabulary.
+    return [([rng.randrange(100, vocab) for _ in range(i)], o) for i, o in lengths]
+
+
+def matmul_flops(cfg, work: list[tuple[list[int], int]]) -> float:
+    hidden, layers = cfg.hidden_size, cfg.num_hidden_layers
+    head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    per_token_linear = 2 * layers * (hidden * (q + 2 * kv) + q * hidden
+                                     + 3 * hidden * cfg.intermediate_size)
+    total = 0.0
+    for prompt, out in work:
+        fed = len(prompt) + out - 1  # the last sampled token is never fed back
+        context = fed * (fed + 1) / 2  # sum over fed tokens of the positions each attends to
+        total += fed * per_token_linear + 4 * layers * q * context
+        total += out * 2 * hidden * cfg.vocab_size
+    return total
+
+
+def measure_matmul_rate(cfg, dtype, device) -> float:
+    """Best FLOP/s over the model's linear shapes at a decode-sized and a prefill-sized M."""
+    hidden = cfg.hidden_size
+    shapes = [(hidden, cfg.intermediate_size), (cfg.intermediate_size, hidden), (hidden, hidden)]
+    best = 0.0
+    for m in (64, 512):
+        for k, n in shapes:
+            a = torch.randn(m, k, dtype=dtype, device=device)
+            b = torch.randn(k, n, dtype=dtype, device=device)
+            for _ in range(3):
+                a @ b
+            reps = 50
+            _sync(device)
+            start = time.perf_counter()
+            for _ in range(reps):
+                a @ b
+            _sync(device)
+            best = max(best, 2 * m * k * n * reps / (time.perf_counter() - start))
+    return best
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_minicore(llm: LLM, work) -> float:
+    params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in work]
+    start = time.perf_counter()
+    outs = llm.generate([p for p, _ in work], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    assert [len(o.outputs[0].token_ids) for o in outs] == [o for _, o in work]
+    return elapsed
+
+
+@torch.inference_mode()
+def run_transformers(model, tokenizer, work, device) -> float:
+    width = max(len(p) for p, _ in work)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in work], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in work], device=device)
+    longest = max(o for _, o in work)
+    _sync(device)
+    start = time.perf_counter()
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest,
+                   min_new_tokens=longest, do_sample=False, pad_token_id=pad)
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", nargs="+", default=["uniform", "varied"])
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "bench_throughput.json"))
+    args = ap.parse_args()
+
+    model, tokenizer = load_model(dtype=args.dtype, device=args.device)
+    device, dtype, cfg = model.device, model.dtype, model.config
+    llm = LLM(model, tokenizer=tokenizer, max_model_len=1024, max_num_seqs=256)
+    rate = measure_matmul_rate(cfg, dtype, device)
+    rows = []
+    for name in args.workloads:
+        work = make_workload(name, args.num_prompts, cfg.vocab_size)
+        num_out = sum(o for _, o in work)
+        run_minicore(llm, work[:4])  # warm-up
+        t_mini = run_minicore(llm, work)
+        # Reference run with transformers' own attention, on the same weights.
+        model.set_attn_implementation("sdpa")
+        t_hf = run_transformers(model, tokenizer, work, device)
+        use_paged_attention(model)
+        flops = matmul_flops(cfg, work)
+        rows.append({"workload": name, "num_prompts": len(work), "output_tokens": num_out,
+                     "minicore_s": t_mini, "transformers_s": t_hf,
+                     "minicore_tok_s": num_out / t_mini, "transformers_tok_s": num_out / t_hf,
+                     "speedup": t_hf / t_mini, "roofline_fraction": flops / t_mini / rate})
+    print(f"device {device}, {dtype}, torch threads {torch.get_num_threads()}, "
+          f"measured matmul rate {rate / 1e9:.1f} GFLOP/s")
+    print(f"{'workload':10} {'out tokens':>10} {'minicore tok/s':>15} {'transformers tok/s':>19} "
+          f"{'ratio':>6} {'roofline':>9}")
+    for r in rows:
+        print(f"{r['workload']:10} {r['output_tokens']:>10} {r['minicore_tok_s']:>15.1f} "
+              f"{r['transformers_tok_s']:>19.1f} {r['speedup']:>6.2f} {r['roofline_fraction']:>8.0%}")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"device": str(device), "dtype": str(dtype),
+                                           "threads": torch.get_num_threads(),
+                                           "matmul_flops_per_s": rate, "results": rows}, indent=2))
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

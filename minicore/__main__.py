@@ -1,0 +1,68 @@
+"""python -m minicore {generate}: the command line.
+
+Mirrors vllm/entrypoints/cli/ in spirit: one subcommand per entry point, flags with vLLM's names.
+"""
+
+import argparse
+import sys
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="safetensors directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16, float16")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="KV cache bytes (CPU)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    names = ("model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+             "block_size", "kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching",
+             "enable_chunked_prefill", "scheduling_policy")
+    return {name: getattr(args, name) for name in names}
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from minicore.llm import LLM
+    from minicore.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    llm = LLM(**_engine_kwargs(args))
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
+    else:
+        outputs = llm.generate(args.prompts, params)
+    for out in outputs:
+        print(f"--- {out.prompt!r} ({out.outputs[0].finish_reason})")
+        print(out.outputs[0].text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m minicore")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate completions for prompts, offline")
+    gen.add_argument("prompts", nargs="+")
+    gen.add_argument("--chat", action="store_true", help="format prompts with the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    _add_engine_args(gen)
+    args = parser.parse_args(argv)
+    try:
+        {"generate": _generate}[args.command](args)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

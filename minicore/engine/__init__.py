@@ -1,0 +1,1 @@
+"""The engine core and what drives it: in-process (EngineCore), and later its process and client."""

@@ -1,0 +1,54 @@
+"""EngineCore: the scheduler and the model runner, driven one step at a time.
+
+Mirrors EngineCore in vllm/v1/engine/core.py (seed 003): add_request, abort_requests, and step(),
+which schedules, runs the model and updates the scheduler with what it sampled. Left out: the batch
+queue for pipeline parallelism, the executor layer (one in-process runner), KV connectors,
+structured output, sleep mode and LoRA utilities.
+"""
+
+import logging
+
+from minicore.config import EngineConfig
+from minicore.protocol import EngineCoreOutput
+from minicore.request import Request, RequestStatus
+from minicore.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model=None, tokenizer=None):
+        """model/tokenizer: an already loaded transformers model and its tokenizer; by default
+        they are loaded from config.model_config."""
+        from minicore.model.loader import load_model
+        from minicore.model.runner import ModelRunner
+
+        if model is None:
+            mc = config.model_config
+            model, tokenizer = load_model(mc.model, dtype=mc.dtype, device=mc.device)
+        self.config = config
+        self.model_runner = ModelRunner(config, model, tokenizer)
+        config.cache_config.num_blocks = self.model_runner.num_blocks
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def step(self) -> tuple[list[EngineCoreOutput], bool]:
+        """Schedule, execute and update once. Returns the outputs and whether the model ran."""
+        if not self.scheduler.has_unfinished_requests():
+            return [], False
+        scheduler_output = self.scheduler.schedule()
+        model_output = self.model_runner.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        return outputs, scheduler_output.total_num_scheduled_tokens > 0
+
+    def execute_dummy_batch(self) -> None:
+        self.model_runner.execute_dummy_batch()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+

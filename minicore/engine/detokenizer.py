@@ -1,0 +1,51 @@
+"""Incremental detokenizer: turns each request's new token ids into new text, and finds stop strings.
+
+Mirrors vllm/v1/engine/detokenizer.py (the "slow" incremental path of
+vllm/transformers_utils/detokenizer_utils.py): it decodes a short window of tokens twice, with and
+without the newest ones, and emits the difference, so a multi-byte character split over tokens is
+emitted only once complete. Works with any transformers tokenizer. Left out: logprobs text,
+spaces_between_special_tokens.
+"""
+
+# Prompt tokens kept as decoding context, so the first output token's leading space renders.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None):
+        self.tokenizer = tokenizer
+        self.token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+        self.output_text = ""
+        self.stop = stop or []
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def update(self, new_token_ids: list[int]) -> str | None:
+        """Append tokens to the text; return the stop string that ended it, if one did (the text
+        is then cut just before it and later tokens are ignored)."""
+        for token_id in new_token_ids:
+            self.token_ids.append(token_id)
+            prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+            text = self._decode(self.token_ids[self.prefix_offset:])
+            if len(text) <= len(prefix_text) or text.endswith("\ufffd"):
+                continue  # an incomplete character: wait for the bytes that finish it
+            new_text = text[len(prefix_text):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+            start = len(self.output_text)
+            self.output_text += new_text
+            if (stop := self._find_stop(start)) is not None:
+                return stop
+        return None
+
+    def _find_stop(self, new_text_start: int) -> str | None:
+        """The stop string that matches earliest, where a match must end in the new text."""
+        matches = [(index, stop) for stop in self.stop
+                   if (index := self.output_text.find(stop, max(0, new_text_start - len(stop) + 1))) >= 0]
+        if not matches:
+            return None
+        index, stop = min(matches)
+        self.output_text = self.output_text[:index]
+        return stop

@@ -1,0 +1,1 @@
+"""The model side: loading (loader), paged attention (attention), the runner and sampler."""

@@ -1,0 +1,218 @@
+"""Paged attention for transformers models, plugged in through ``transformers.AttentionInterface``.
+
+Mirrors vLLM v1's attention backend layer, reduced to a torch implementation:
+- ``AttentionMetadata`` follows ``CommonAttentionMetadata`` of
+  ``vllm/v1/attention/backends/utils.py`` (``query_start_loc``, ``seq_lens``,
+  ``block_table_tensor``, ``slot_mapping``), plus the decode / prefill split of
+  ``split_decodes_and_prefills`` and host-side copies so that a step needs no device syncs;
+- the cache layout ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` is that of
+  ``FlashAttentionBackend.get_kv_cache_shape`` (``vllm/v1/attention/backends/flash_attn.py``), and
+  the cache write is ``reshape_and_cache_flash``;
+- the attention itself follows the torch SDPA path of ``vllm/v1/attention/backends/cpu_attn.py``:
+  one batched SDPA call for all single-token (decode) sequences, one call per prefill sequence.
+Left out: flash-attn / other CUDA kernels, sliding windows, ALiBi, logit soft-capping, sinks,
+cascade attention, quantized (fp8) KV caches and padded slots (``-1``) for CUDA graphs.
+
+The model is fed one packed batch: ``input_ids`` and ``position_ids`` of shape ``[1, T]``, with
+``use_cache=False`` and the metadata as the ``minicore_meta`` keyword argument, which transformers
+hands through every layer to the attention function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
+
+ATTN_IMPLEMENTATION = "minicore_paged"
+META_KWARG = "minicore_meta"
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where a packed batch's tokens sit in the paged KV cache. ``T`` tokens, ``B`` sequences."""
+
+    positions: torch.Tensor  # [T] int64, absolute position of each token in its sequence
+    slot_mapping: torch.Tensor  # [T] int64, block_id * block_size + offset of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with block 0
+    seq_lens: torch.Tensor  # [B] int64, KV length of each sequence after this step
+    query_start_loc: torch.Tensor  # [B + 1] int64, token rows of sequence i: [qsl[i], qsl[i+1])
+    kv_caches: list[torch.Tensor]  # per layer, shape kv_cache_shape(...)
+    # Host-side copies, so the attention needs no device-to-host syncs.
+    seq_lens_cpu: list[int]
+    query_start_loc_cpu: list[int]
+    # Sequences with one new token ("decodes", in any order), attended in one batched call:
+    decode_tokens: torch.Tensor  # [Bd] int64, their token rows
+    decode_block_tables: torch.Tensor  # [Bd, blocks of the longest] int64
+    decode_mask: torch.Tensor  # [Bd, 1, 1, blocks * block_size] bool, True below seq_len
+    prefill_seqs: list[int]  # the other sequences, attended one by one
+
+    @classmethod
+    def build(
+        cls,
+        block_tables: list[list[int]],
+        num_computed_tokens: list[int],
+        num_new_tokens: list[int],
+        kv_caches: list[torch.Tensor],
+    ) -> AttentionMetadata:
+        """Metadata for sequences whose first ``num_computed_tokens[i]`` tokens are already cached
+        and whose next ``num_new_tokens[i]`` tokens are in this batch, in that order."""
+        block_size = kv_caches[0].shape[2]
+        new, computed = torch.tensor(num_new_tokens), torch.tensor(num_computed_tokens)
+        seq_lens = computed + new
+        tables = _pad_tables(block_tables, seq_lens, block_size)
+        qsl = F.pad(new.cumsum(0), (1, 0))
+        seq_of_token = torch.repeat_interleave(torch.arange(len(new)), new)
+        positions = torch.arange(int(qsl[-1])) - qsl[seq_of_token] + computed[seq_of_token]
+        slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+        decodes = (new == 1).nonzero().flatten()
+        decode_blocks = -(-int(seq_lens[decodes].max()) // block_size) if len(decodes) else 0
+        decode_mask = torch.arange(decode_blocks * block_size) < seq_lens[decodes, None]
+        device = kv_caches[0].device
+        return cls(
+            positions=positions.to(device),
+            slot_mapping=slots.to(device),
+            block_tables=tables.to(device),
+            seq_lens=seq_lens.to(device),
+            query_start_loc=qsl.to(device),
+            kv_caches=kv_caches,
+            seq_lens_cpu=seq_lens.tolist(),
+            query_start_loc_cpu=qsl.tolist(),
+            decode_tokens=qsl[decodes].to(device),
+            decode_block_tables=tables[decodes, :decode_blocks].to(device),
+            decode_mask=decode_mask[:, None, None, :].to(device),
+            prefill_seqs=(new > 1).nonzero().flatten().tolist(),
+        )
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
+    """Shape of one layer's KV cache: keys at index 0, values at index 1."""
+    return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+
+def use_paged_attention(model: PreTrainedModel) -> None:
+    """Register the paged attention with transformers and switch ``model`` to it.
+
+    The mask function returns None, so transformers builds no dense mask for the packed batch.
+    ``model.set_attn_implementation("sdpa")`` switches back for a plain forward or ``generate``.
+    """
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+def _no_mask(**kwargs) -> None:
+    return None
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: ``query`` is ``[1, heads, T, head_dim]``, ``key`` and
+    ``value`` are ``[1, kv_heads, T, head_dim]``; returns ``([1, T, heads, head_dim], None)``."""
+    meta: AttentionMetadata | None = kwargs.get(META_KWARG)
+    if meta is None:
+        raise ValueError(
+            f"{ATTN_IMPLEMENTATION!r} attention needs the {META_KWARG}= forward argument; "
+            "use model.set_attn_implementation('sdpa') for a plain forward"
+        )
+    kv_cache = meta.kv_caches[module.layer_idx]
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, head_dim]
+    write_kv_cache(kv_cache, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    if meta.decode_tokens.numel():
+        decoded = _decode_attention(q[meta.decode_tokens], kv_cache, meta, scaling)
+        out.index_copy_(0, meta.decode_tokens, decoded)
+    for i in meta.prefill_seqs:
+        start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+        k_seq, v_seq = _sequence_kv(k[start:end], v[start:end], kv_cache, meta, i)
+        out[start:end] = _prefill_attention(q[start:end], k_seq, v_seq, scaling)
+    return out.unsqueeze(0), None
+
+
+def write_kv_cache(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store ``key``/``value`` rows (``[T, kv_heads, head_dim]``) at their slots."""
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def _gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """Keys and values of the blocks of each row of ``block_tables`` (``[rows, blocks]``):
+    ``[2, rows, kv_heads, blocks * block_size, head_dim]``."""
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    # index_select on whole blocks is several times faster on CPU than kv_cache[:, block_tables].
+    kv = kv_cache.flatten(2).index_select(1, block_tables.flatten())
+    kv = kv.view(2, block_tables.shape[0], -1, num_kv_heads, head_dim)
+    return kv.transpose(2, 3)
+
+
+def _decode_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scaling: float
+) -> torch.Tensor:
+    """All single-query sequences in one SDPA call over their padded KV, masked by length. GQA:
+    the query heads sharing a KV head become that head's query rows (no KV repeat)."""
+    num_seqs, num_heads, head_dim = q.shape
+    k, v = _gather_kv(kv_cache, meta.decode_block_tables)
+    q = q.view(num_seqs, k.shape[1], num_heads // k.shape[1], head_dim)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scaling)
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def _sequence_kv(
+    new_k: torch.Tensor,
+    new_v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    seq: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All keys and values of sequence ``seq`` as ``[1, kv_heads, seq_len, head_dim]``: the new
+    ones when the whole sequence is in this batch, else read from the cache (a later chunk of a
+    chunked prefill, or a prefix-cache hit)."""
+    seq_len = meta.seq_lens_cpu[seq]
+    if new_k.shape[0] == seq_len:
+        return new_k.transpose(0, 1).unsqueeze(0), new_v.transpose(0, 1).unsqueeze(0)
+    num_blocks = -(-seq_len // kv_cache.shape[2])
+    k, v = _gather_kv(kv_cache, meta.block_tables[seq : seq + 1, :num_blocks])
+    return k[..., :seq_len, :], v[..., :seq_len, :]
+
+
+def _prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Causal attention of one sequence's last ``Lq`` positions (``q``: ``[Lq, heads, head_dim]``)
+    over its ``Lk`` keys: query ``i`` sees key positions ``<= Lk - Lq + i``."""
+    q = q.transpose(0, 1).unsqueeze(0)  # [1, heads, Lq, head_dim]
+    num_queries, num_keys = q.shape[2], k.shape[2]
+    if num_queries == num_keys:
+        mask, causal = None, True
+    else:
+        kv_pos = torch.arange(num_keys, device=q.device)
+        mask, causal = kv_pos[None, :] <= kv_pos[num_keys - num_queries :, None], False
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=True
+    )
+    return out[0].transpose(0, 1)
+
+
+def _pad_tables(
+    block_tables: list[list[int]], seq_lens: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """``[B, max_blocks]`` block ids padded with block 0; each table must cover its sequence."""
+    needed = (-(-seq_lens // block_size)).tolist()
+    short = [i for i, (t, n) in enumerate(zip(block_tables, needed)) if len(t) < n]
+    if short:
+        raise ValueError(f"block tables of sequences {short} are too short for their seq_lens")
+    width = max([len(t) for t in block_tables] + [1])
+    return torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)

@@ -1,0 +1,57 @@
+"""IncrementalDetokenizer with a tiny byte-level tokenizer: multi-byte characters split over
+tokens are emitted once complete, and stop strings cut the text, also across token boundaries."""
+
+from minicore.engine.detokenizer import IncrementalDetokenizer
+
+
+class ByteTokenizer:
+    """Each token id is one byte (ids < 256); 256 is a special token."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        data = bytes(i for i in ids if i < 256)
+        return data.decode("utf-8", errors="replace")
+
+    def encode(self, text):
+        return list(text.encode())
+
+
+def test_multibyte_character_is_emitted_once_complete():
+    tok = ByteTokenizer()
+    d = IncrementalDetokenizer(tok, tok.encode("say: "))
+    euro = tok.encode("€")  # three bytes
+    d.update(euro[:1])
+    assert d.output_text == ""
+    d.update(euro[1:2])
+    assert d.output_text == ""
+    d.update(euro[2:] + tok.encode("!"))
+    assert d.output_text == "€!"
+
+
+def test_special_tokens_are_skipped():
+    tok = ByteTokenizer()
+    d = IncrementalDetokenizer(tok, tok.encode("x"))
+    d.update(tok.encode("ok") + [256])
+    assert d.output_text == "ok"
+
+
+def test_stop_string_across_tokens_cuts_before_it():
+    tok = ByteTokenizer()
+    d = IncrementalDetokenizer(tok, tok.encode("q"), stop=["END"])
+    assert d.update(tok.encode("abc E")) is None
+    assert d.update(tok.encode("N")) is None
+    assert d.update(tok.encode("Dxyz")) == "END"
+    assert d.output_text == "abc "
+
+
+class WordTokenizer:
+    """Each token id decodes to a whole word of VOCAB."""
+    VOCAB = ["a", "bzz", " ", "c"]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.VOCAB[i] for i in ids)
+
+
+def test_earliest_stop_string_in_one_token_wins():
+    d = IncrementalDetokenizer(WordTokenizer(), [2], stop=["zz", "b"])
+    assert d.update([0, 1, 3]) == "b"
+    assert d.output_text == "a"
