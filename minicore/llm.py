@@ -7,30 +7,17 @@ LoRA, multimodal prompts, n > 1 and logprobs.
 
 import itertools
 import time
-from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
 from minicore.config import create_engine_config
 from minicore.engine.core import EngineCore
-from minicore.engine.detokenizer import IncrementalDetokenizer
-from minicore.outputs import CompletionOutput, RequestOutput
+from minicore.engine.output_processor import RequestState
+from minicore.outputs import RequestOutput
 from minicore.request import Request
 from minicore.sampling_params import SamplingParams
 
 Prompt = str | list[int]
-
-
-@dataclass(slots=True)
-class _Pending:
-    """A request in flight: what the output side builds up while the engine runs it."""
-    prompt: str | None
-    prompt_token_ids: list[int]
-    detokenizer: IncrementalDetokenizer
-    token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
 
 
 class LLM:
@@ -78,7 +65,7 @@ class LLM:
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _make_request(self, prompt: Prompt, params: SamplingParams) -> tuple[Request, _Pending]:
+    def _make_request(self, prompt: Prompt, params: SamplingParams) -> tuple[Request, RequestState]:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, str):
@@ -94,38 +81,30 @@ class LLM:
         vocab_size = self.llm_engine.model_runner.model.config.vocab_size
         if any(not 0 <= t < vocab_size for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
-        request = Request(str(next(self._request_counter)), token_ids, params,
-                          eos_token_id=self.tokenizer.eos_token_id)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
-        return request, _Pending(text, token_ids, detokenizer, [])
+        request_id = str(next(self._request_counter))
+        request = Request(request_id, token_ids, params, eos_token_id=self.tokenizer.eos_token_id)
+        return request, RequestState(request_id, text, token_ids, params, self.tokenizer)
 
-    def _run(self, requests: list[tuple[Request, "_Pending"]], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, requests: list[tuple[Request, RequestState]], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
-        pending = {request.request_id: p for request, p in requests}
+        states = {request.request_id: state for request, state in requests}
         for request, _ in requests:
             engine.add_request(request)
         bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm,
                    dynamic_ncols=True)
         start, num_in, num_out = time.perf_counter(), 0, 0
         try:
-            unfinished = set(pending)
+            unfinished = set(states)
             while unfinished:
                 outputs, _ = engine.step()
                 for output in outputs:
-                    p = pending[output.request_id]
-                    p.token_ids.extend(output.new_token_ids)
-                    p.num_cached_tokens = output.num_cached_tokens
+                    state = states[output.request_id]
                     num_out += len(output.new_token_ids)
-                    if output.finished:
-                        p.finish_reason, p.stop_reason = str(output.finish_reason), output.stop_reason
-                    if (stop := p.detokenizer.update(output.new_token_ids)) is not None:
-                        # A stop string ends the request here, whatever the engine thought.
-                        if not output.finished:
-                            engine.abort_requests([output.request_id])
-                        p.finish_reason, p.stop_reason = "stop", stop
-                    if p.finish_reason is not None:
+                    if state.process(output):
+                        engine.abort_requests([output.request_id])
+                    if state.finished:
                         unfinished.discard(output.request_id)
-                        num_in += len(p.prompt_token_ids)
+                        num_in += len(state.prompt_token_ids)
                         bar.update(1)
                         elapsed = time.perf_counter() - start
                         bar.set_postfix_str(f"est. speed input: {num_in / elapsed:.2f} toks/s, "
@@ -133,9 +112,5 @@ class LLM:
         finally:
             bar.close()
             # On an interrupt or error, leave nothing running in the engine.
-            engine.abort_requests([r for r in pending if r in engine.scheduler.requests])
-        return [RequestOutput(request_id, p.prompt, p.prompt_token_ids,
-                              [CompletionOutput(0, p.detokenizer.output_text, p.token_ids,
-                                                p.finish_reason, p.stop_reason)],
-                              finished=True, num_cached_tokens=p.num_cached_tokens)
-                for request_id, p in pending.items()]
+            engine.abort_requests([r for r in states if r in engine.scheduler.requests])
+        return [state.make_request_output() for state in states.values()]
