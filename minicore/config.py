@@ -9,6 +9,7 @@ from typing import Literal
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 BalanceThreshold = Literal["seed", "full"]
+ModelRunnerKind = Literal["transformers", "simulated"]
 
 
 @dataclass(slots=True)
@@ -64,6 +65,20 @@ class CacheConfig:
 
 
 @dataclass(slots=True)
+class SimulatedCost:
+    """The simulated runner's step time in seconds: step_s + prefill_token_s per prefill token +
+    decode_seq_s per decoding request. All 0: every step returns at once."""
+    step_s: float = 0.0
+    prefill_token_s: float = 0.0
+    decode_seq_s: float = 0.0
+
+    def __post_init__(self):
+        for name in ("step_s", "prefill_token_s", "decode_seq_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0 seconds, got {getattr(self, name)}")
+
+
+@dataclass(slots=True)
 class ModelConfig:
     # A safetensors directory or a .gguf file; None is the default SmolLM2-135M-Instruct.
     model: str | None = None
@@ -73,6 +88,14 @@ class ModelConfig:
     device: str | None = None
     # Seeds the sampler of requests that bring no seed of their own.
     seed: int = 0
+    # "simulated": no weights, made-up tokens after a modelled delay (minicore.model.simulated),
+    # for studying the IO path and scheduling policies. The tokenizer is still the model's.
+    runner: ModelRunnerKind = "transformers"
+    simulated_cost: SimulatedCost = field(default_factory=SimulatedCost)
+
+    def __post_init__(self):
+        if self.runner not in ("transformers", "simulated"):
+            raise ValueError(f"runner must be 'transformers' or 'simulated', got {self.runner!r}")
 
 
 @dataclass(slots=True)

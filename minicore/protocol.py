@@ -1,13 +1,53 @@
 """Messages between the engine core and its clients, as msgspec Structs (msgpack on the wire).
 
-Mirrors vllm/v1/engine/__init__.py (EngineCoreOutput, EngineCoreOutputs) and SchedulerStats from
-vllm/v1/metrics/stats.py. msgspec is pure Python-facing and cheap to build, so the scheduler returns
-these records directly and nothing is converted before they are sent.
+Mirrors vllm/v1/engine/__init__.py (EngineCoreRequest, EngineCoreRequestType, EngineCoreOutput,
+EngineCoreOutputs, UtilityOutput) and SchedulerStats from vllm/v1/metrics/stats.py. msgspec is
+cheap to build, so the scheduler returns these records directly and nothing is converted before
+they are sent. Frames on the wire:
+
+- frontend -> engine (ROUTER -> DEALER): [type byte (EngineCoreRequestType), msgpack payload];
+  ADD carries an EngineCoreRequest, ABORT a list of request ids, UTILITY (call_id, method, args),
+  START_DP_WAVE (wave, excluded engine index).
+- engine -> frontend (PUSH -> PULL): one msgpack EngineCoreOutputs per frame, or the raw
+  ENGINE_CORE_DEAD frame when the engine dies of a fatal error.
+
+Left out: multimodal features, LoRA, pooling, structured output, logprobs, KV-transfer parameters.
 """
+
+import enum
+from typing import Any
 
 import msgspec
 
 from minicore.request import FinishReason
+from minicore.sampling_params import SamplingParams
+
+# Sent as a raw frame (not msgpack) on the output socket when the engine dies of a fatal error.
+ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
+
+
+class EngineCoreRequestType(enum.Enum):
+    """The first frame of every frontend -> engine message: one byte, as in vLLM."""
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    START_DP_WAVE = b"\x02"
+    UTILITY = b"\x03"
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    prompt_token_ids: list[int]
+    # A slots dataclass: msgspec runs its __post_init__ on decode, so a request with invalid
+    # sampling values fails to decode in the engine (and is dropped) instead of reaching the
+    # scheduler.
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    # time.monotonic() in the frontend; the priority policy orders ties by it.
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+    data_parallel_rank: int | None = None
+    current_wave: int = 0
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -30,3 +70,24 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+
+
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The answer to one UTILITY call: its result, or why it failed."""
+    call_id: int
+    result: Any = None
+    failure_message: str | None = None
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Everything one engine sends in one frame: a step's outputs with the scheduler's stats, a
+    utility result, or (for data parallelism) wave bookkeeping."""
+    engine_index: int = 0
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    # time.monotonic() in the engine when the frame was made.
+    timestamp: float = 0.0
+    utility_output: UtilityOutput | None = None
+    finished_requests: set[str] | None = None
+    wave_complete: int | None = None
+    start_wave: int | None = None

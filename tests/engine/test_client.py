@@ -1,0 +1,289 @@
+"""AsyncEngineClient against a real engine process on the SIMULATED runner: concurrent streams,
+aborts (early stop, explicit, stop strings) that free the engine's KV blocks, validation that
+sends nothing, and supervision: a killed or stopped engine fails in-flight requests at once.
+
+Every wait is bounded (asyncio.timeout), and every client is shut down, its process joined."""
+
+import asyncio
+import contextlib
+import itertools
+import os
+import signal
+import time
+
+import pytest
+import pytest_asyncio
+from engine_helpers import simulated_config
+
+from minicore.engine.client import AsyncEngineClient, EngineDeadError
+from minicore.model.simulated import NOMINAL_KV_BYTES_PER_TOKEN, next_token
+from minicore.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+async def start_client(config, timeout: float = 60) -> AsyncEngineClient:
+    return await asyncio.wait_for(AsyncEngineClient.create(config), timeout)
+
+
+@contextlib.asynccontextmanager
+async def running_client(config):
+    client = await start_client(config)
+    try:
+        yield client
+    finally:
+        await client.shutdown()
+        assert client.proc.exitcode is not None
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def client():
+    config = simulated_config(kv_cache_memory=400 * NOMINAL_KV_BYTES_PER_TOKEN * 16)
+    async with running_client(config) as client:
+        yield client
+
+
+def simulated_tokens(client: AsyncEngineClient, prompt: list[int], n: int) -> list[int]:
+    token_ids = list(prompt)
+    eos = frozenset({client.tokenizer.eos_token_id})
+    for _ in range(n):
+        token_ids.append(next_token(token_ids, client.vocab_size, eos))
+    return token_ids[len(prompt):]
+
+
+async def assert_idle(client: AsyncEngineClient) -> None:
+    stats = await client.call_utility("get_stats")
+    assert (stats["num_running_reqs"], stats["num_waiting_reqs"]) == (0, 0)
+    assert stats["kv_cache_usage"] == 0 and stats["request_ids"] == []
+    # The engine published the same before answering, so the frontend's view is current too.
+    latest = client.latest_stats[0]
+    assert (latest.num_running_reqs, latest.kv_cache_usage) == (0, 0)
+    assert client.states == {}
+
+
+async def test_startup(client):
+    assert client.config.cache_config.num_blocks == 400
+    assert client.is_healthy and not client.errored
+    assert client.model_name == "SmolLM2-135M-Instruct"
+    assert client.proc.is_alive()
+    assert await client.call_utility("ping") == "pong"
+
+
+async def test_50_concurrent_streams_each_complete_once(client):
+    finished = []
+    client.on_request_finished = finished.append
+
+    async def stream(i: int):
+        prompt = [100 + i] * (1 + i % 20)
+        max_tokens = 1 + i % 17
+        params = SamplingParams(max_tokens=max_tokens)
+        outputs = [o async for o in client.generate(None, prompt, params, f"req-{i}")]
+        token_lists = [o.outputs[0].token_ids for o in outputs]
+        # Cumulative: each output extends the one before; only the last is finished.
+        assert all(a == b[:len(a)] and len(a) < len(b)
+                   for a, b in itertools.pairwise(token_lists))
+        assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+        last = outputs[-1].outputs[0]
+        assert last.token_ids == simulated_tokens(client, prompt, max_tokens)
+        assert last.finish_reason == "length"
+        assert last.text == client.tokenizer.decode(last.token_ids, skip_special_tokens=True)
+        return outputs[-1].request_id
+
+    try:
+        async with asyncio.timeout(30):
+            ids = await asyncio.gather(*(stream(i) for i in range(50)))
+    finally:
+        client.on_request_finished = None
+    assert sorted(ids) == sorted(f"req-{i}" for i in range(50))
+    assert sorted(state.request_id for state in finished) == sorted(ids)
+    await assert_idle(client)
+
+
+async def test_consumer_stopping_early_aborts_and_frees(client):
+    finished = []
+    client.on_request_finished = finished.append
+    try:
+        async with asyncio.timeout(10):
+            params = SamplingParams(max_tokens=450)
+            async with contextlib.aclosing(client.generate(None, [7] * 40, params, "early")) as it:
+                async for output in it:
+                    if len(output.outputs[0].token_ids) >= 3:
+                        break
+            await assert_idle(client)
+    finally:
+        client.on_request_finished = None
+    assert [(s.request_id, s.finish_reason) for s in finished] == [("early", "abort")]
+
+
+async def test_cancelled_consumer_aborts_and_frees(client):
+    """A consumer cancelled while it awaits something else (a client disconnect while the server
+    writes) aborts the request as it closes the stream."""
+    finished = []
+    client.on_request_finished = finished.append
+
+    async def consume():
+        params = SamplingParams(max_tokens=450)
+        async with contextlib.aclosing(client.generate(None, [8] * 40, params, "cancelled")) as it:
+            async for _ in it:
+                asyncio.current_task().cancel()
+                await asyncio.sleep(10)
+
+    try:
+        async with asyncio.timeout(10):
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.create_task(consume())
+            await assert_idle(client)
+    finally:
+        client.on_request_finished = None
+    assert [(s.request_id, s.finish_reason) for s in finished] == [("cancelled", "abort")]
+
+
+async def test_stream_read_from_several_tasks(client):
+    """Merging streams reads each with anext() in a new task (vLLM's merge_async_iterators):
+    a reading task that ends is not an abandoned stream."""
+    streams = [client.generate(None, [20 + i], SamplingParams(max_tokens=30), f"merge-{i}")
+               for i in range(3)]
+    last = {}
+    async with asyncio.timeout(10):
+        pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                i = pending.pop(future)
+                with contextlib.suppress(StopAsyncIteration):
+                    last[i] = future.result()
+                    pending[asyncio.ensure_future(anext(streams[i]))] = i
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in last.values())
+    assert [len(last[i].outputs[0].token_ids) for i in range(3)] == [30, 30, 30]
+    await assert_idle(client)
+
+
+async def test_explicit_abort_ends_the_stream_with_abort(client):
+    finished = []
+    client.on_request_finished = finished.append
+    try:
+        async with asyncio.timeout(10):
+            outputs = []
+            async for output in client.generate(None, [9] * 8, SamplingParams(max_tokens=450),
+                                                "aborted"):
+                outputs.append(output)
+                if len(outputs) == 2:
+                    await client.abort("aborted")
+            await client.abort("aborted")  # finished already: ignored
+    finally:
+        client.on_request_finished = None
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
+    assert [s.request_id for s in finished] == ["aborted"]
+    await assert_idle(client)
+
+
+async def test_stop_string_finishes_the_request_and_frees_it(client):
+    prompt = [11, 12, 13]
+    tokens = simulated_tokens(client, prompt, 30)
+    text = client.tokenizer.decode(tokens, skip_special_tokens=True)
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    params = SamplingParams(max_tokens=400, stop=[stop])
+    async with asyncio.timeout(10):
+        outputs = [o async for o in client.generate(None, prompt, params, "stopped")]
+    final = outputs[-1].outputs[0]
+    assert final.finish_reason == "stop" and final.stop_reason == stop
+    assert final.text == text[:text.index(stop)]
+    assert all(stop not in o.outputs[0].text for o in outputs)
+    await assert_idle(client)
+
+
+async def test_invalid_requests_raise_and_send_nothing(client):
+    async def first(prompt_token_ids, params=None, request_id="bad"):
+        params = SamplingParams() if params is None else params
+        return await anext(client.generate(None, prompt_token_ids, params, request_id))
+
+    async with asyncio.timeout(10):
+        with pytest.raises(ValueError, match="the prompt is empty"):
+            await first([])
+        too_long = r"the prompt has 513 tokens, more than max_model_len \(512\)"
+        with pytest.raises(ValueError, match=too_long):
+            await first([5] * 513)
+        with pytest.raises(ValueError, match=r"must be integers in \[0, 49152\)"):
+            await first([5, 49152])
+        with pytest.raises(ValueError, match="must be integers"):
+            await first([5, 6.0])
+        with pytest.raises(ValueError, match="must be SamplingParams"):
+            await first([5], params={"max_tokens": 3})
+        running = client.generate(None, [5], SamplingParams(max_tokens=450), "dup")
+        await anext(running)
+        with pytest.raises(ValueError, match="'dup' is already in use"):
+            await first([6], request_id="dup")
+        await running.aclose()
+        await assert_idle(client)
+
+
+async def test_killed_engine_fails_in_flight_requests_fast():
+    async with running_client(simulated_config(step_s=0.005)) as client:
+        async def stream(i):
+            params = SamplingParams(max_tokens=450)
+            async for _ in client.generate(None, [i + 1] * 4, params, f"k{i}"):
+                pass
+
+        async with asyncio.timeout(20):
+            tasks = [asyncio.create_task(stream(i)) for i in range(8)]
+            while sum(bool(s.token_ids) for s in client.states.values()) < 8:
+                await asyncio.sleep(0.005)
+            start = time.monotonic()
+            os.kill(client.proc.pid, signal.SIGKILL)
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            elapsed = time.monotonic() - start
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        assert "exited with code -9" in str(results[0])
+        assert elapsed < 2
+        assert client.errored and not client.is_healthy
+        with pytest.raises(EngineDeadError):
+            await anext(client.generate(None, [1], SamplingParams(), "late"))
+        with pytest.raises(EngineDeadError):
+            await client.call_utility("ping")
+
+
+async def test_sigterm_to_the_engine_exits_cleanly_and_fails_in_flight():
+    async with running_client(simulated_config(step_s=0.005)) as client:
+        async with asyncio.timeout(20):
+            stream = client.generate(None, [3, 4], SamplingParams(max_tokens=450), "t")
+            await anext(stream)
+            os.kill(client.proc.pid, signal.SIGTERM)
+            with pytest.raises(EngineDeadError, match="exited with code 0"):
+                async for _ in stream:
+                    pass
+        assert client.proc.exitcode == 0
+        assert not client.is_healthy
+
+
+async def test_engine_that_fails_to_start_is_reported():
+    # Too little KV cache for one max_model_len request: the engine fails while building.
+    config = simulated_config(kv_cache_memory=NOMINAL_KV_BYTES_PER_TOKEN * 16)
+    with pytest.raises(RuntimeError, match="exited with code 1 during startup"):
+        await start_client(config)
+
+
+async def test_shutdown_stops_the_engine_and_fails_in_flight():
+    client = await start_client(simulated_config(step_s=0.005))
+    async with asyncio.timeout(20):
+        stream = client.generate(None, [3, 4], SamplingParams(max_tokens=450), "s")
+        await anext(stream)
+        start = time.monotonic()
+        await client.shutdown()
+        assert time.monotonic() - start < 5
+        assert client.proc.exitcode == 0
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await anext(stream)
+        await client.shutdown()  # idempotent
+
+
+async def test_failing_output_hook_fails_requests_instead_of_hanging_them():
+    async with running_client(simulated_config()) as client:
+        def broken_hook(state, num_new_tokens, interval):
+            raise KeyError("metrics bug")
+
+        client.on_new_tokens = broken_hook
+        async with asyncio.timeout(10):
+            with pytest.raises(EngineDeadError, match="output handler failed"):
+                async for _ in client.generate(None, [1, 2], SamplingParams(max_tokens=5), "h"):
+                    pass
+        assert client.errored and not client.is_healthy
