@@ -13,7 +13,12 @@ _CONTEXT_TOKENS = 5
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None):
-        self.tokenizer = tokenizer
+        # A fast tokenizer's Rust backend decodes ~3x faster than transformers' wrapper around it,
+        # which adds nothing when it does not clean up spaces (vLLM's fast detokenizer does this too).
+        backend = getattr(tokenizer, "_tokenizer", None)
+        if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            backend = tokenizer
+        self._backend_decode = backend.decode
         self.token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
@@ -21,7 +26,7 @@ class IncrementalDetokenizer:
         self.stop = stop or []
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self._backend_decode(token_ids, skip_special_tokens=True)
 
     def update(self, new_token_ids: list[int]) -> str | None:
         """Append tokens to the text; return the stop string that ended it, if one did (the text
