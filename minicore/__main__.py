@@ -1,9 +1,12 @@
-"""python -m minicore {generate}: the command line.
+"""python -m minicore {generate,serve}: the command line.
 
 Mirrors vllm/entrypoints/cli/ in spirit: one subcommand per entry point, flags with vLLM's names.
 """
 
 import argparse
+import json
+import logging
+import os
 import sys
 
 
@@ -27,6 +30,56 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
              "block_size", "kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching",
              "enable_chunked_prefill", "scheduling_policy")
     return {name: getattr(args, name) for name in names}
+
+
+def _add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_tag", nargs="?", default=None,
+                        help="the model, as vLLM's `serve MODEL` (same as --model)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (vLLM listens on all: --host 0.0.0.0)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="the model name(s) the API answers to (default: the model's name)")
+    parser.add_argument("--api-key", default=os.environ.get("MINICORE_API_KEY"),
+                        help="require `Authorization: Bearer KEY` on /v1 (env MINICORE_API_KEY)")
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="no periodic throughput/KV cache log line")
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    parser.add_argument("--runner", choices=["transformers", "simulated"], default="transformers",
+                        help="simulated: no weights, made-up tokens after a modelled delay "
+                             "(a minicore addition, for studying the IO path and scheduling)")
+    parser.add_argument("--simulated-cost", type=json.loads, default=None,
+                        metavar="JSON", help='the simulated runner\'s step time, e.g. '
+                        '\'{"step_s": 0.01, "prefill_token_s": 1e-5, "decode_seq_s": 1e-4}\'')
+    _add_engine_args(parser)
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import asyncio
+
+    import uvloop
+
+    from minicore.config import SimulatedCost, create_engine_config
+    from minicore.entrypoints.api_server import run_server
+
+    logging.basicConfig(level=logging.INFO, datefmt="%m-%d %H:%M:%S",
+                        format="%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s")
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    kwargs = _engine_kwargs(args)
+    kwargs["runner"] = args.runner
+    if args.simulated_cost is not None:
+        try:
+            kwargs["simulated_cost"] = SimulatedCost(**args.simulated_cost)
+        except TypeError as e:  # an unknown key
+            raise ValueError(f"--simulated-cost: {e}") from None
+    config = create_engine_config(**kwargs)
+    try:
+        uvloop.run(run_server(config, args))
+    except asyncio.CancelledError:  # a signal while the engine was starting
+        sys.exit("minicore: stopped before the server started")
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -57,9 +110,10 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     _add_engine_args(gen)
+    _add_serve_args(sub.add_parser("serve", help="serve the OpenAI-compatible API over HTTP"))
     args = parser.parse_args(argv)
     try:
-        {"generate": _generate}[args.command](args)
+        {"generate": _generate, "serve": _serve}[args.command](args)
     except ValueError as e:
         sys.exit(f"error: {e}")
 

@@ -1,0 +1,250 @@
+"""The OpenAI-compatible HTTP server behind `python -m minicore serve`: FastAPI on uvicorn, uvloop.
+
+Mirrors vllm/entrypoints/openai/api_server.py (the routes, the API-key middleware, the exception
+handlers that turn every failure into an OpenAI error body, with_cancellation for non-streamed
+requests, build_app, run_server) and vllm/entrypoints/launcher.py (serve_http: uvicorn on our own
+event loop; on SIGTERM stop accepting, abort the requests in flight, stop the engine). The
+endpoints' logic is in serving.py. Left out: the other OpenAI endpoints (embeddings, audio,
+responses), CORS and SSL options, multiple API servers, and /load, /sleep and the dev endpoints.
+"""
+
+import asyncio
+import logging
+import secrets
+from contextlib import asynccontextmanager, suppress
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import minicore
+from minicore.config import EngineConfig
+from minicore.engine.client import AsyncEngineClient, EngineDeadError
+from minicore.entrypoints.metrics import ServerMetrics, StatsLogger
+from minicore.entrypoints.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    OpenAIError,
+    TokenizeRequest,
+    make_error,
+    to_json,
+    validation_error,
+)
+from minicore.entrypoints.serving import OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+STATS_LOG_INTERVAL_S = 10.0
+# uvicorn's backstop: connections still open this long after SIGTERM are cancelled. Aborted
+# requests end their streams at once, so it only matters if something hangs.
+GRACEFUL_SHUTDOWN_S = 3
+
+
+def json_response(record, status: int = 200) -> Response:
+    return Response(to_json(record), status_code=status, media_type="application/json")
+
+
+def error_response(e: OpenAIError) -> Response:
+    return json_response(e.to_response(), e.status)
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events that always close their generator, even when the client left while
+    the generator was waiting to hand over a chunk, so the engine request is aborted at once
+    rather than when the garbage collector gets to it."""
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+class AuthenticationMiddleware:
+    """With --api-key, every /v1 route needs `Authorization: Bearer <key>` (vLLM's rule: /health,
+    /metrics, /version and the tokenizer routes stay open). Plain ASGI, so streams are untouched."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (scope["type"] == "http" and scope["path"].startswith("/v1")
+                and scope["method"] != "OPTIONS"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                response = error_response(OpenAIError("Incorrect API key provided.", 401))
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+async def _until_disconnected(raw_request: Request) -> None:
+    # The body has been read, so the next message is the disconnect.
+    while (await raw_request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def with_cancellation(coro, raw_request: Request):
+    """Run a handler, cancelling it if the client goes away first (then the engine request is
+    aborted): a non-streamed response has no send to fail on, so nothing else would notice."""
+    handler = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_until_disconnected(raw_request))
+    try:
+        await asyncio.wait((handler, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not handler.done():
+            handler.cancel()
+    if not handler.done() or handler.cancelled():
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+    return handler.result()
+
+
+def build_app(client: AsyncEngineClient, serving: OpenAIServing, metrics: ServerMetrics,
+              api_key: str | None = None, log_stats: bool = True) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        stats_task = asyncio.ensure_future(_log_stats(metrics, client)) if log_stats else None
+        try:
+            yield
+        finally:
+            if stats_task is not None:
+                stats_task.cancel()
+            if not serving.shutting_down:
+                serving.begin_shutdown()
+            await client.shutdown()
+
+    # FastAPI's OpenTelemetry hooks look up the tracer provider on every request: off.
+    app = FastAPI(title="minicore", version=minicore.__version__, lifespan=lifespan,
+                  telemetry={"tracing": False, "metrics": False, "logs": False})
+    if api_key:
+        app.add_middleware(AuthenticationMiddleware, api_key=api_key)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_, e: OpenAIError):
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(_, e: RequestValidationError):
+        return error_response(validation_error(e.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, e: StarletteHTTPException):
+        return error_response(OpenAIError(str(e.detail), e.status_code))
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_, e: EngineDeadError):
+        return error_response(OpenAIError(str(e), 503))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_, e: Exception):
+        logger.exception("unhandled error")
+        return json_response(make_error(f"internal error: {e!r}", 500), 500)
+
+    @app.get("/health")
+    async def health():
+        if client.is_healthy:
+            return Response(status_code=200)
+        return error_response(OpenAIError("the engine process is dead", 503))
+
+    @app.get("/version")
+    async def version():
+        return {"version": minicore.__version__}
+
+    @app.get("/metrics")
+    async def show_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def show_models():
+        return json_response(serving.show_models())
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest):
+        return json_response(serving.tokenize(request))
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest):
+        return json_response(serving.detokenize(request))
+
+    async def run(handler, raw_request: Request, stream: bool):
+        # A stream returns at once (SSEResponse notices a disconnect); a whole response needs
+        # watching while it is generated.
+        result = await (handler if stream else with_cancellation(handler, raw_request))
+        if isinstance(result, Response):
+            return result
+        return SSEResponse(result) if stream else json_response(result)
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request):
+        return await run(serving.create_completion(request), raw_request, request.stream)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
+        return await run(serving.create_chat_completion(request), raw_request, request.stream)
+
+    return app
+
+
+async def _log_stats(metrics: ServerMetrics, client: AsyncEngineClient) -> None:
+    stats_logger = StatsLogger(metrics, lambda: client.latest_stats)
+    while True:
+        await asyncio.sleep(STATS_LOG_INTERVAL_S)
+        stats_logger.log()
+
+
+class ApiServer(uvicorn.Server):
+    """uvicorn's server, which on SIGTERM/SIGINT also aborts the requests in flight at once, so
+    that their streams end and shutdown does not wait for generation to finish."""
+
+    def __init__(self, config: uvicorn.Config, serving: OpenAIServing,
+                 loop: asyncio.AbstractEventLoop):
+        super().__init__(config)
+        self.serving, self.loop = serving, loop
+
+    def handle_exit(self, sig, frame) -> None:
+        first = not self.should_exit
+        super().handle_exit(sig, frame)
+        if first:
+            self.loop.call_soon_threadsafe(self.serving.begin_shutdown)
+
+
+async def run_server(config: EngineConfig, args) -> None:
+    """Start the engine, then serve HTTP until SIGTERM/SIGINT. args: the `serve` command's
+    namespace (host, port, api_key, served_model_name, logging switches)."""
+    loop = asyncio.get_running_loop()
+    # Until uvicorn installs its handlers, a signal cancels the (long) engine start, which then
+    # stops the engine process instead of leaving it behind.
+    main = asyncio.current_task()
+    for sig in uvicorn.server.HANDLED_SIGNALS:
+        loop.add_signal_handler(sig, main.cancel)
+    try:
+        client = await AsyncEngineClient.create(config)
+    except (RuntimeError, TimeoutError) as e:  # the engine died or hung while starting
+        raise SystemExit(f"minicore: the engine did not start: {e}") from None
+    finally:
+        for sig in uvicorn.server.HANDLED_SIGNALS:
+            loop.remove_signal_handler(sig)
+    try:
+        model_names = args.served_model_name or [client.model_name]
+        num_engines = config.parallel_config.data_parallel_size
+        metrics = ServerMetrics(model_names[0], num_engines, lambda: client.latest_stats)
+        client.on_new_tokens = metrics.on_new_tokens
+        client.on_request_finished = metrics.on_request_finished
+        serving = OpenAIServing(client, model_names)
+        app = build_app(client, serving, metrics, args.api_key, not args.disable_log_stats)
+        server = ApiServer(uvicorn.Config(
+            app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+            access_log=not args.disable_uvicorn_access_log,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S), serving, loop)
+        logger.info("serving %s on http://%s:%d", ", ".join(model_names), args.host, args.port)
+        await server.serve()
+    finally:
+        # The lifespan has normally done this already; not when startup failed or on a forced exit.
+        with suppress(Exception):
+            await client.shutdown()

@@ -1,0 +1,370 @@
+"""The OpenAI endpoints' logic: requests in, engine requests out, whole or streamed responses back.
+
+Mirrors vllm/entrypoints/openai/serving_engine.py (model check, input validation, error
+responses), serving_completion.py, serving_chat.py and serving_tokenization.py, on top of
+AsyncEngineClient.generate. Everything a request could be refused for is checked before the first
+engine request is sent, so a refused request leaves nothing behind, and a streamed one never turns
+into an error after its 200. Each choice (n per prompt, for every prompt of a completion request)
+is its own engine request; their outputs are merged as they arrive. A choice whose engine request
+ends early (client gone, server shutting down) is aborted in the engine and finishes as "abort".
+Left out: logprobs, echo, tools, guided decoding, beam search, multimodal content.
+"""
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from jinja2 import TemplateError
+
+from minicore.engine.client import AsyncEngineClient, EngineDeadError
+from minicore.entrypoints.openai_protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    OpenAIError,
+    SamplingRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+    UsageInfo,
+    make_error,
+    random_uuid,
+    to_json,
+)
+from minicore.outputs import RequestOutput
+from minicore.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(record) -> bytes:
+    return b"data: " + to_json(record) + b"\n\n"
+
+
+@dataclass(slots=True)
+class Prompt:
+    text: str | None
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class Choice:
+    """One choice of a response: one engine request and what has been sent of it."""
+    index: int
+    request_id: str
+    prompt: Prompt
+    # AsyncEngineClient.generate's stream; closing it early aborts the request.
+    outputs: AsyncGenerator[RequestOutput, None]
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class OpenAIServing:
+    def __init__(self, client: AsyncEngineClient, model_names: list[str]):
+        self.client = client
+        self.model_names = model_names
+        self.tokenizer = client.tokenizer
+        self.vocab_size = client.vocab_size
+        self.max_model_len = client.config.scheduler_config.max_model_len
+        self.policy = client.config.scheduler_config.policy
+        self.created = int(time.time())
+        # Choices with an engine request in flight, by request id.
+        self.running: dict[str, Choice] = {}
+        self.shutting_down = False
+        # Cleanup tasks run detached from the request (it may be cancelled); referenced until done.
+        self._cleanups: set[asyncio.Task] = set()
+
+    # ----------------------------------------------------------------------------- checks
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
+
+    def _check_request(self, request: SamplingRequest) -> None:
+        if self.shutting_down:
+            raise OpenAIError("the server is shutting down", 503)
+        if self.client.errored:
+            raise OpenAIError("the engine process is dead; the server cannot serve requests", 503)
+        self.check_model(request.model)
+        request.check_unsupported()
+        if ignored := request.ignored_fields():
+            logger.warning("ignoring unknown request fields: %s", ", ".join(ignored))
+        if request.priority != 0 and self.policy != "priority":
+            raise OpenAIError(f"priority {request.priority} needs --scheduling-policy priority",
+                              400, "priority")
+
+    def _check_prompt(self, prompt: Prompt, params: SamplingParams, param: str) -> None:
+        num = len(prompt.token_ids)
+        if num == 0:
+            raise OpenAIError("the prompt is empty: it must contain at least one token", 400, param)
+        if any(not 0 <= t < self.vocab_size for t in prompt.token_ids):
+            raise OpenAIError(f"prompt token ids must be in [0, {self.vocab_size})", 400, param)
+        if params.max_tokens is None:
+            if num >= self.max_model_len:
+                raise OpenAIError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                    f"your request has {num} input tokens. Please reduce the length of the input.",
+                    400, param)
+        elif num + params.max_tokens > self.max_model_len:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {num + params.max_tokens} tokens ({num} in the prompt, "
+                f"{params.max_tokens} in the completion). Please reduce the length of the prompt "
+                "or completion.", 400, param)
+
+    # ----------------------------------------------------------------------------- prompts
+
+    def _encode(self, text: str) -> list[int]:
+        # As the offline LLM does: the chat template already holds any special tokens.
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _apply_chat_template(self, messages, add_generation_prompt: bool) -> str:
+        if not messages:
+            raise OpenAIError("messages must not be empty", 400, "messages")
+        conversation = [m.to_template_dict() for m in messages]
+        try:
+            return self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except (TemplateError, ValueError, TypeError) as e:  # the template's own checks
+            raise OpenAIError(f"the chat template rejected the messages: {e}", 400,
+                              "messages") from None
+
+    def _completion_prompts(self, prompt) -> list[Prompt]:
+        if isinstance(prompt, str):
+            return [Prompt(prompt, self._encode(prompt))]
+        if not prompt or isinstance(prompt[0], int):
+            return [Prompt(None, list(prompt))]
+        return [Prompt(p, self._encode(p)) if isinstance(p, str) else Prompt(None, list(p))
+                for p in prompt]
+
+    def _make_choices(self, response_id: str, prompts: list[Prompt], params: SamplingParams,
+                      request: SamplingRequest, param: str) -> list[Choice]:
+        """Check every prompt, then make n choices per prompt. Nothing reaches the engine until
+        the choices are iterated."""
+        for prompt in prompts:
+            self._check_prompt(prompt, params, param)
+        choices = []
+        for prompt in prompts:
+            for j in range(request.n):
+                # As vLLM's parallel sampling: the j-th sample of a seeded request uses seed + j.
+                p = params if j == 0 or params.seed is None else dataclasses.replace(
+                    params, seed=params.seed + j)
+                request_id = f"{response_id}-{len(choices)}"
+                outputs = self.client.generate(prompt.text, prompt.token_ids, p, request_id,
+                                               priority=request.priority)
+                choices.append(Choice(len(choices), request_id, prompt, outputs))
+        return choices
+
+    # ----------------------------------------------------------------------------- outputs
+
+    def _update(self, choice: Choice, output: RequestOutput) -> str:
+        """Take a choice's cumulative output; return the text that is new."""
+        completion = output.outputs[0]
+        delta = completion.text[len(choice.text):]
+        choice.text = completion.text
+        choice.num_tokens = len(completion.token_ids)
+        if output.finished:
+            choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason
+        return delta
+
+    async def _iterate(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, str]]:
+        """(choice, new text) for every output of every choice, as they arrive. Use it under
+        contextlib.aclosing, so that leaving early aborts what is left at once."""
+        for choice in choices:
+            self.running[choice.request_id] = choice
+        pending: dict[asyncio.Future, Choice] = {}
+        try:
+            if len(choices) == 1:
+                choice = choices[0]
+                async for output in choice.outputs:
+                    yield choice, self._update(choice, output)
+            else:
+                pending = {asyncio.ensure_future(anext(c.outputs)): c for c in choices}
+                while pending:
+                    done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    for future in done:
+                        choice = pending.pop(future)
+                        try:
+                            output = future.result()
+                        except StopAsyncIteration:
+                            continue
+                        pending[asyncio.ensure_future(anext(choice.outputs))] = choice
+                        yield choice, self._update(choice, output)
+            for choice in choices:
+                if choice.finish_reason is None:  # the stream ended without saying why
+                    choice.finish_reason = "abort"
+                    yield choice, ""
+        except ValueError as e:  # the client's own input checks
+            raise OpenAIError(str(e), 400) from None
+        finally:
+            for choice in choices:
+                self.running.pop(choice.request_id, None)
+            if pending:
+                for future in pending:
+                    future.cancel()
+                self._detach(self._close(choices, list(pending)))
+            else:
+                # Closing a stream aborts its request if it is unfinished. It does not suspend,
+                # so it is safe even in a task being cancelled again and again (anyio does that).
+                for choice in choices:
+                    await choice.outputs.aclose()
+
+    async def _close(self, choices: list[Choice], cancelled: list[asyncio.Future]) -> None:
+        """Close the streams of a merge left early, once the cancelled reads have stopped (a
+        stream cannot be closed while a read is running it). A task of its own, as the request's
+        task may be cancelled."""
+        await asyncio.gather(*cancelled, return_exceptions=True)
+        for choice in choices:
+            await choice.outputs.aclose()
+
+    def _detach(self, awaitable) -> None:
+        task = asyncio.ensure_future(awaitable)
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+
+    def begin_shutdown(self) -> None:
+        """SIGTERM: refuse new requests and abort those in flight (they finish as "abort")."""
+        self.shutting_down = True
+        logger.info("shutting down: aborting %d request(s) in flight", len(self.running))
+        if not self.client.errored:
+            for request_id in list(self.running):
+                self._detach(self.client.abort(request_id))
+
+    def _usage(self, choices: list[Choice]) -> UsageInfo:
+        prompts = {id(c.prompt): len(c.prompt.token_ids) for c in choices}
+        prompt_tokens = sum(prompts.values())
+        completion_tokens = sum(c.num_tokens for c in choices)
+        return UsageInfo(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+
+    def _stream_error(self, e: Exception) -> bytes:
+        if isinstance(e, OpenAIError):
+            return sse(e.to_response())
+        return sse(make_error(str(e), 503 if isinstance(e, EngineDeadError) else 500))
+
+    # ---------------------------------------------------------------------- completions
+
+    async def create_completion(self, request: CompletionRequest):
+        """A CompletionResponse, or for stream=True an async iterator of SSE bytes."""
+        self._check_request(request)
+        prompts = self._completion_prompts(request.prompt)
+        params = request.to_sampling_params(request.max_tokens)
+        response_id = f"cmpl-{random_uuid()}"
+        choices = self._make_choices(response_id, prompts, params, request, "prompt")
+        model = request.model or self.model_names[0]
+        if request.stream:
+            return self._completion_stream(request, response_id, model, choices)
+        async with aclosing(self._iterate(choices)) as outputs:
+            async for _ in outputs:
+                pass
+        return CompletionResponse(
+            id=response_id, created=int(time.time()), model=model,
+            choices=[CompletionResponseChoice(c.index, c.text, c.finish_reason, c.stop_reason)
+                     for c in choices],
+            usage=self._usage(choices))
+
+    async def _completion_stream(self, request: CompletionRequest, response_id: str, model: str,
+                                 choices: list[Choice]) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        try:
+            async with aclosing(self._iterate(choices)) as outputs:
+                async for choice, delta in outputs:
+                    if delta or choice.finish_reason is not None:
+                        yield sse(CompletionResponse(
+                            id=response_id, created=created, model=model,
+                            choices=[CompletionResponseChoice(choice.index, delta,
+                                                              choice.finish_reason,
+                                                              choice.stop_reason)]))
+            if request.include_usage:
+                yield sse(CompletionResponse(id=response_id, created=created, model=model,
+                                             choices=[], usage=self._usage(choices)))
+        except (OpenAIError, EngineDeadError) as e:
+            yield self._stream_error(e)
+        yield SSE_DONE
+
+    # ----------------------------------------------------------------- chat completions
+
+    async def create_chat_completion(self, request: ChatCompletionRequest):
+        """A ChatCompletionResponse, or for stream=True an async iterator of SSE bytes."""
+        self._check_request(request)
+        text = self._apply_chat_template(request.messages, request.add_generation_prompt)
+        params = request.to_sampling_params(request.requested_max_tokens)
+        response_id = f"chatcmpl-{random_uuid()}"
+        choices = self._make_choices(response_id, [Prompt(text, self._encode(text))], params,
+                                     request, "messages")
+        model = request.model or self.model_names[0]
+        if request.stream:
+            return self._chat_stream(request, response_id, model, choices)
+        async with aclosing(self._iterate(choices)) as outputs:
+            async for _ in outputs:
+                pass
+        return ChatCompletionResponse(
+            id=response_id, created=int(time.time()), model=model,
+            choices=[ChatCompletionResponseChoice(c.index, ChatMessage("assistant", c.text),
+                                                  c.finish_reason, c.stop_reason)
+                     for c in choices],
+            usage=self._usage(choices))
+
+    async def _chat_stream(self, request: ChatCompletionRequest, response_id: str, model: str,
+                           choices: list[Choice]) -> AsyncIterator[bytes]:
+        created = int(time.time())
+
+        def chunk(choice_list, usage=None):
+            return sse(ChatCompletionStreamResponse(id=response_id, created=created, model=model,
+                                                    choices=choice_list, **usage or {}))
+
+        # As OpenAI: each choice opens with the role, then the content comes in deltas.
+        yield chunk([ChatCompletionResponseStreamChoice(c.index, DeltaMessage("assistant", ""))
+                     for c in choices])
+        try:
+            async with aclosing(self._iterate(choices)) as outputs:
+                async for choice, delta in outputs:
+                    if delta or choice.finish_reason is not None:
+                        yield chunk([ChatCompletionResponseStreamChoice(
+                            choice.index, DeltaMessage(content=delta or None),
+                            choice.finish_reason, choice.stop_reason)])
+            if request.include_usage:
+                yield chunk([], {"usage": self._usage(choices)})
+        except (OpenAIError, EngineDeadError) as e:
+            yield self._stream_error(e)
+        yield SSE_DONE
+
+    # ---------------------------------------------------------------- everything else
+
+    def show_models(self) -> ModelList:
+        root = self.client.config.model_config.model or self.model_names[0]
+        return ModelList([ModelCard(id=name, created=self.created, root=str(root),
+                                    max_model_len=self.max_model_len)
+                          for name in self.model_names])
+
+    def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        self.check_model(request.model)
+        if (request.prompt is None) == (request.messages is None):
+            raise OpenAIError("give either a prompt or messages", 400, "prompt")
+        text = (request.prompt if request.messages is None
+                else self._apply_chat_template(request.messages, request.add_generation_prompt))
+        tokens = self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+        return TokenizeResponse(len(tokens), self.max_model_len, tokens)
+
+    def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(request.model)
+        if any(not 0 <= t < self.vocab_size for t in request.tokens):
+            raise OpenAIError(f"token ids must be in [0, {self.vocab_size})", 400, "tokens")
+        return DetokenizeResponse(self.tokenizer.decode(request.tokens))

@@ -1,0 +1,83 @@
+"""A real `python -m minicore serve` for the end-to-end tests, started on a free port in its own
+session (process group), so that whatever it started is killed at the end whatever happened."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+STARTUP_TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """Use as a context manager: it returns once /health answers 200; on exit it SIGTERMs the
+    server if it still runs and then SIGKILLs its whole process group."""
+
+    def __init__(self, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(tempfile.mkstemp(prefix="minicore-serve-", suffix=".log")[1])
+        self.args = [sys.executable, "-m", "minicore", "serve", "--port", str(self.port),
+                     "--disable-uvicorn-access-log", *args]
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self):
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"the server was not healthy within {STARTUP_TIMEOUT_S} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def children(self) -> list[psutil.Process]:
+        return psutil.Process(self.proc.pid).children(recursive=True)
+
+    def engine_process(self) -> psutil.Process:
+        (engine,) = [p for p in self.children() if "spawn_main" in " ".join(p.cmdline())]
+        return engine
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # anything of ours still alive
+        except ProcessLookupError:
+            pass
+        self.proc.wait(5)
+        self.log_path.unlink(missing_ok=True)

@@ -1,0 +1,384 @@
+"""The server without an engine: request validation and translation, OpenAI error bodies, the
+Prometheus exposition and the stats log line, and the app's routes on a scripted engine client
+(streaming format, n > 1, auth, early close and shutdown abort their engine requests)."""
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+
+import httpx
+import pydantic
+import pytest
+
+from minicore.config import create_engine_config
+from minicore.entrypoints.api_server import build_app
+from minicore.entrypoints.metrics import ServerMetrics, StatsLogger
+from minicore.entrypoints.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    make_error,
+    to_json,
+    validation_error,
+)
+from minicore.entrypoints.serving import OpenAIServing
+from minicore.model.loader import load_tokenizer, resolve_model_dir
+from minicore.outputs import CompletionOutput, RequestOutput
+from minicore.protocol import SchedulerStats
+from minicore.sampling_params import SamplingParams
+
+MODEL = "test-model"
+
+
+# ------------------------------------------------------------------ requests and errors
+
+
+def test_defaults_become_sampling_params():
+    params = CompletionRequest(prompt="x").to_sampling_params(16)
+    assert params == SamplingParams(max_tokens=16, temperature=1.0, top_p=1.0, top_k=0)
+    # Clients send explicit nulls for "the default".
+    req = CompletionRequest.model_validate({"prompt": "x", "temperature": None, "top_p": None,
+                                            "top_k": None, "stop": "END"})
+    assert req.to_sampling_params(4) == SamplingParams(max_tokens=4, stop=["END"])
+
+
+def test_chat_max_completion_tokens_wins_over_max_tokens():
+    msgs = [{"role": "user", "content": "hi"}]
+    assert ChatCompletionRequest(messages=msgs, max_tokens=7).requested_max_tokens == 7
+    assert ChatCompletionRequest(messages=msgs, max_tokens=7,
+                                 max_completion_tokens=3).requested_max_tokens == 3
+    assert ChatCompletionRequest(messages=msgs).requested_max_tokens is None
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -3}, "max_tokens"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"min_tokens": 20, "max_tokens": 5}, "min_tokens"),
+    ({"n": 0}, "n"),
+])
+def test_invalid_sampling_values_are_400_naming_the_parameter(fields, param):
+    req = CompletionRequest(prompt="x", **fields)
+    with pytest.raises(OpenAIError) as e:
+        req.to_sampling_params(req.max_tokens)
+    assert (e.value.status, e.value.param) == (400, param)
+    assert param in e.value.message
+
+
+def test_unsupported_parameters_are_refused_unless_unused():
+    CompletionRequest(prompt="x", logprobs=None, best_of=1, echo=False).check_unsupported()
+    with pytest.raises(OpenAIError) as e:
+        CompletionRequest(prompt="x", logprobs=2).check_unsupported()
+    assert (e.value.status, e.value.param) == (400, "logprobs")
+    assert CompletionRequest(prompt="x", logprobs=None, vendor_x=1).ignored_fields() == ["vendor_x"]
+
+
+def test_pydantic_and_json_errors_become_one_400():
+    with pytest.raises(pydantic.ValidationError) as e:
+        ChatCompletionRequest.model_validate({"messages": [{"content": "hi"}], "max_tokens": "x"})
+    err = validation_error(e.value.errors(include_url=False))
+    assert err.status == 400 and err.param == "messages"
+    assert "messages.0.role: Field required" in err.message
+    assert "max_tokens: Input should be a valid integer" in err.message
+    bad_json = validation_error([{"type": "json_invalid", "loc": ("body", 7), "msg": "JSON decode "
+                                  "error", "ctx": {"error": "Expecting value"}}])
+    assert (bad_json.message, bad_json.param) == ("invalid JSON: Expecting value", None)
+
+
+def test_error_body_is_openai_shaped():
+    assert json.loads(to_json(make_error("The model `x` does not exist.", 404, "model"))) == {
+        "error": {"message": "The model `x` does not exist.", "type": "NotFoundError",
+                  "param": "model", "code": 404}}
+    assert json.loads(to_json(make_error("no", 401)))["error"]["type"] == "AuthenticationError"
+    assert json.loads(to_json(make_error("no", 405)))["error"]["type"] == "MethodNotAllowedError"
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+@dataclass
+class _State:
+    """The RequestState fields the metrics hooks read."""
+    prompt_token_ids: list[int]
+    arrival_time: float
+    first_token_time: float
+    finish_reason: str | None = None
+
+
+def _state(prompt_len=3, arrival=100.0) -> _State:
+    return _State(list(range(prompt_len)), arrival, arrival + 0.25)
+
+
+def _sample(text: str, name: str, **labels) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            got = ",".join(sorted(line[len(name) + 1:line.index("}")].split(",")))
+            if got == want:
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name}{{{want}}} not in the exposition")
+
+
+def test_metrics_expose_engine_stats_and_request_observations(monkeypatch):
+    stats = {0: SchedulerStats(num_running_reqs=3, num_waiting_reqs=2, kv_cache_usage=0.5,
+                               prefix_cache_queries=100, prefix_cache_hits=40, num_preemptions=1)}
+    metrics = ServerMetrics(MODEL, 1, lambda: stats)
+    state = _state()
+    metrics.on_new_tokens(state, 1, None)
+    metrics.on_new_tokens(state, 2, 0.05)
+    state.finish_reason = "length"
+    monkeypatch.setattr("time.monotonic", lambda: 101.0)
+    metrics.on_request_finished(state)
+    text = metrics.render().decode()
+    labels = {"model_name": MODEL, "engine": "0"}
+    assert _sample(text, "minicore:num_requests_running", **labels) == 3
+    assert _sample(text, "minicore:num_requests_waiting", **labels) == 2
+    assert _sample(text, "minicore:kv_cache_usage_perc", **labels) == 0.5
+    assert _sample(text, "minicore:prefix_cache_queries_total", **labels) == 100
+    assert _sample(text, "minicore:prefix_cache_hits_total", **labels) == 40
+    assert _sample(text, "minicore:num_preemptions_total", **labels) == 1
+    assert _sample(text, "minicore:prompt_tokens_total", **labels) == 3
+    assert _sample(text, "minicore:generation_tokens_total", **labels) == 3
+    assert _sample(text, "minicore:time_to_first_token_seconds_sum", **labels) == 0.25
+    assert _sample(text, "minicore:inter_token_latency_seconds_count", **labels) == 1
+    assert _sample(text, "minicore:e2e_request_latency_seconds_sum", **labels) == 1.0
+    assert _sample(text, "minicore:request_success_total", finished_reason="length", **labels) == 1
+    assert "_created" not in text
+
+
+def test_stats_log_line_reports_throughput_and_is_quiet_when_idle(caplog, monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr("time.monotonic", lambda: clock[0])
+    stats = {0: SchedulerStats(num_running_reqs=1, kv_cache_usage=0.125, prefix_cache_queries=10,
+                               prefix_cache_hits=5)}
+    metrics = ServerMetrics(MODEL, 1, lambda: stats)
+    stats_logger = StatsLogger(metrics, lambda: stats)
+    state = _state(prompt_len=20, arrival=0.0)
+    metrics.on_new_tokens(state, 1, None)
+    metrics.on_new_tokens(state, 9, 0.1)
+    clock[0] = 10.0
+    with caplog.at_level(logging.INFO, logger="minicore.stats"):
+        stats_logger.log()
+        stats[0] = SchedulerStats(prefix_cache_queries=10, prefix_cache_hits=5)
+        clock[0] = 20.0
+        stats_logger.log()  # idle: logged once
+        clock[0] = 30.0
+        stats_logger.log()  # still idle: quiet
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == ("Engine 000: Avg prompt throughput: 2.0 tokens/s, Avg generation "
+                        "throughput: 1.0 tokens/s, Running: 1 reqs, Waiting: 0 reqs, KV cache "
+                        "usage: 12.5%, Prefix cache hit rate: 50.0%")
+    assert len(lines) == 2 and "Running: 0 reqs" in lines[1]
+
+
+# ------------------------------------------------------- the app on a scripted client
+
+
+@dataclass
+class _Script:
+    num_tokens: int = 4
+    hang: bool = False  # never finish: only an abort ends it
+
+
+class ScriptedClient:
+    """AsyncEngineClient's interface with no engine: each request yields one token per output
+    (" w<i>"), then finishes with "length"; a stream closed early, or abort(), aborts it."""
+
+    def __init__(self, tokenizer, vocab_size):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.config = create_engine_config(max_model_len=64)
+        self.model_name = MODEL
+        self.errored, self.is_healthy = False, True
+        self.latest_stats = {0: SchedulerStats()}
+        self.script = _Script()
+        self.started: list[str] = []
+        self.aborted: list[str] = []
+        self._abort_events: dict[str, asyncio.Event] = {}
+
+    async def generate(self, prompt, prompt_token_ids, params, request_id, *, priority=0):
+        self.started.append(request_id)
+        aborted = self._abort_events[request_id] = asyncio.Event()
+        text, ids, finished = "", [], False
+        try:
+            for i in range(params.max_tokens or 10**9):
+                if self.script.hang:
+                    await aborted.wait()
+                await asyncio.sleep(0)
+                if aborted.is_set():
+                    finished = True
+                    yield self._output(request_id, prompt, prompt_token_ids, text, ids, "abort")
+                    return
+                text, ids = text + f" w{i}", ids + [100 + i]
+                finished = i + 1 == (params.max_tokens or 10**9) or i + 1 == self.script.num_tokens
+                yield self._output(request_id, prompt, prompt_token_ids, text, ids,
+                                   "length" if finished else None)
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.aborted.append(request_id)
+
+    @staticmethod
+    def _output(request_id, prompt, prompt_ids, text, ids, reason):
+        return RequestOutput(request_id, prompt, prompt_ids,
+                             [CompletionOutput(0, text, list(ids), reason)], reason is not None)
+
+    async def abort(self, request_id):
+        self._abort_events[request_id].set()
+
+    async def shutdown(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def tokenizer_and_vocab():
+    return load_tokenizer(resolve_model_dir(None))
+
+
+@pytest.fixture
+def client(tokenizer_and_vocab):
+    return ScriptedClient(*tokenizer_and_vocab)
+
+
+@pytest.fixture
+def serving(client):
+    return OpenAIServing(client, [MODEL])
+
+
+def _http(client, serving, api_key=None):
+    metrics = ServerMetrics(MODEL, 1, lambda: client.latest_stats)
+    app = build_app(client, serving, metrics, api_key=api_key, log_stats=False)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test")
+
+
+def _events(body: str) -> list:
+    lines = [line for line in body.split("\n\n") if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+async def test_completion_stream_format_and_usage(client, serving):
+    async with _http(client, serving) as http:
+        r = await http.post("/v1/completions", json={
+            "model": MODEL, "prompt": "Hello", "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = _events(r.text)
+    assert [e["choices"][0]["text"] for e in events[:-1]] == [" w0", " w1", " w2"]
+    assert [e["choices"][0]["finish_reason"] for e in events[:-1]] == [None, None, "length"]
+    assert all("usage" not in e for e in events[:-1])
+    assert events[-1]["choices"] == []
+    assert events[-1]["usage"] == {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}
+    assert {e["object"] for e in events} == {"text_completion"}
+
+
+async def test_chat_stream_opens_with_the_role_and_ends_with_finish_reason(client, serving):
+    async with _http(client, serving) as http:
+        r = await http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+            "max_tokens": 2, "stream": True})
+    events = _events(r.text)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [e["choices"][0]["delta"] for e in events[1:]] == [{"content": " w0"},
+                                                              {"content": " w1"}]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert {e["object"] for e in events} == {"chat.completion.chunk"}
+
+
+async def test_n_and_prompt_lists_make_one_choice_each(client, serving):
+    async with _http(client, serving) as http:
+        r = await http.post("/v1/completions", json={
+            "prompt": [[1, 2, 3], [4]], "n": 2, "max_tokens": 2, "seed": 5})
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert all(c["text"] == " w0 w1" and c["finish_reason"] == "length" for c in body["choices"])
+    # Each prompt counts once however many samples it has.
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 8, "total_tokens": 12}
+    assert len(client.started) == 4 and not client.aborted
+
+
+async def test_refused_requests_start_nothing(client, serving):
+    async with _http(client, serving) as http:
+        cases = [
+            ({"prompt": ["ok", ""]}, 400, "prompt"),  # one bad prompt refuses them all
+            ({"prompt": "x", "max_tokens": 64}, 400, "prompt"),  # 1 + 64 > max_model_len 64
+            ({"prompt": [client.vocab_size]}, 400, "prompt"),
+            ({"prompt": "x", "model": "other"}, 404, "model"),
+            ({"prompt": "x", "priority": 1}, 400, "priority"),
+        ]
+        for body, status, param in cases:
+            r = await http.post("/v1/completions", json=body)
+            assert (r.status_code, r.json()["error"]["param"]) == (status, param), body
+        r = await http.post("/v1/chat/completions", json={"messages": []})
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "messages")
+        r = await http.post("/v1/completions", content=b'{"prompt": ', headers={
+            "content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("invalid JSON")
+    assert client.started == []
+
+
+async def test_api_key_guards_v1_only(client, serving):
+    async with _http(client, serving, api_key="sesame") as http:
+        r = await http.get("/v1/models")
+        assert r.status_code == 401
+        assert r.json() == {"error": {"message": "Incorrect API key provided.",
+                                      "type": "AuthenticationError", "param": None, "code": 401}}
+        assert (await http.get("/v1/models", headers={"Authorization": "Bearer nope"})
+                ).status_code == 401
+        r = await http.get("/v1/models", headers={"Authorization": "Bearer sesame"})
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == MODEL
+        assert (await http.get("/health")).status_code == 200
+        assert (await http.get("/metrics")).status_code == 200
+
+
+async def test_dead_engine_is_503_everywhere(client, serving):
+    client.errored, client.is_healthy = True, False
+    async with _http(client, serving) as http:
+        assert (await http.get("/health")).status_code == 503
+        r = await http.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
+
+
+async def test_tokenize_and_detokenize_round_trip(client, serving):
+    async with _http(client, serving) as http:
+        r = (await http.post("/tokenize", json={"prompt": "Hello world"})).json()
+        assert r["tokens"] == client.tokenizer.encode("Hello world", add_special_tokens=False)
+        assert (r["count"], r["max_model_len"]) == (len(r["tokens"]), 64)
+        back = (await http.post("/detokenize", json={"tokens": r["tokens"]})).json()
+        assert back == {"prompt": "Hello world"}
+        chat = (await http.post("/tokenize", json={"messages": [{"role": "user",
+                                                                 "content": "Hi"}]})).json()
+        assert chat["tokens"][0] == client.tokenizer.convert_tokens_to_ids("<|im_start|>")
+        assert (await http.post("/detokenize", json={"tokens": [-1]})).status_code == 400
+
+
+async def test_closing_a_stream_early_aborts_its_requests(client, serving):
+    client.script.num_tokens = 1000
+    for n in (1, 3):  # the single-stream path and the merge of several
+        client.started.clear()
+        client.aborted.clear()
+        stream = await serving.create_completion(
+            CompletionRequest(prompt="Hi", max_tokens=50, stream=True, n=n))
+        assert (await anext(stream)).startswith(b"data: ")
+        await stream.aclose()
+        await asyncio.sleep(0.01)  # the merge's cleanup task
+        assert sorted(client.aborted) == sorted(client.started) and len(client.started) == n
+        assert serving.running == {}
+
+
+async def test_shutdown_aborts_requests_in_flight(client, serving):
+    client.script.hang = True
+    task = asyncio.ensure_future(serving.create_completion(
+        CompletionRequest(prompt="Hi", max_tokens=5, n=2)))
+    while len(serving.running) < 2:
+        await asyncio.sleep(0)
+    serving.begin_shutdown()
+    response = await asyncio.wait_for(task, 5)
+    assert [c.finish_reason for c in response.choices] == ["abort", "abort"]
+    with pytest.raises(OpenAIError) as e:
+        await serving.create_completion(CompletionRequest(prompt="Hi"))
+    assert e.value.status == 503

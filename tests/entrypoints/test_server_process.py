@@ -1,0 +1,78 @@
+"""The server as a process: a dead engine fails in-flight requests fast and turns /health to 503;
+SIGTERM ends the server within seconds, its streams finishing as "abort", with no child left.
+The engine runs the SIMULATED runner (made-up tokens every 20 ms): what matters here is the
+processes, not the model, and each of these tests needs a server of its own."""
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import psutil
+from server_helpers import ServerProcess
+
+SIMULATED = ["--runner", "simulated", "--simulated-cost", '{"step_s": 0.02}',
+             "--max-model-len", "1024", "--kv-cache-memory", str(64 << 20)]
+LONG = {"prompt": "Tell me everything.", "max_tokens": 900, "ignore_eos": True}
+FAIL_FAST_S = 5.0
+SIGTERM_EXIT_S = 5.0
+
+
+async def _first_event_then_rest(http: httpx.AsyncClient, started: asyncio.Event) -> list[dict]:
+    """Stream a long completion; set `started` at its first event; return all its events."""
+    events = []
+    async with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+                started.set()
+    return events
+
+
+async def test_engine_death_fails_requests_fast_and_health_turns_503():
+    with ServerProcess(*SIMULATED) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http, \
+                asyncio.timeout(60):
+            started = asyncio.Event()
+            stream = asyncio.create_task(_first_event_then_rest(http, started))
+            whole = asyncio.create_task(http.post("/v1/completions", json=LONG))
+            await started.wait()
+            await asyncio.sleep(0.2)  # the non-streamed one is in the engine too
+            assert (await http.get("/health")).status_code == 200
+
+            server.engine_process().kill()
+            t0 = time.monotonic()
+            events, response = await asyncio.gather(stream, whole)
+            assert time.monotonic() - t0 < FAIL_FAST_S
+            assert events[-1]["error"]["code"] == 503  # the stream ends with an error event
+            assert "dead" in events[-1]["error"]["message"]
+            assert response.status_code == 503
+            assert response.json()["error"]["type"] == "ServiceUnavailableError"
+
+            assert (await http.get("/health")).status_code == 503
+            refused = await http.post("/v1/completions", json={"prompt": "hi"})
+            assert refused.status_code == 503
+            assert server.proc.poll() is None  # the server stays up to say so
+
+
+async def test_sigterm_exits_within_seconds_and_leaves_no_process():
+    with ServerProcess(*SIMULATED) as server:
+        children = server.children()
+        assert any("spawn_main" in " ".join(p.cmdline()) for p in children)
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http, \
+                asyncio.timeout(60):
+            started = asyncio.Event()
+            stream = asyncio.create_task(_first_event_then_rest(http, started))
+            await started.wait()
+
+            server.proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            events = await stream
+            await asyncio.to_thread(server.proc.wait, SIGTERM_EXIT_S)
+            assert time.monotonic() - t0 < SIGTERM_EXIT_S
+        # The request in flight was aborted, not cut off: it ends with finish_reason "abort".
+        assert events[-1]["choices"][0]["finish_reason"] == "abort"
+        _, alive = psutil.wait_procs(children, timeout=2)
+        assert not alive, f"left behind: {alive}"
