@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minicore.llm import LLM  # noqa: E402
-from minicore.model.attention import use_paged_attention  # noqa: E402
+from minicore.model.attention import attn_implementation  # noqa: E402
 from minicore.model.loader import load_model  # noqa: E402
 from minicore.sampling_params import SamplingParams  # noqa: E402
 
@@ -126,9 +126,8 @@ def main() -> None:
         run_minicore(llm, work[:4])  # warm-up
         t_mini = run_minicore(llm, work)
         # Reference run with transformers' own attention, on the same weights.
-        model.set_attn_implementation("sdpa")
-        t_hf = run_transformers(model, tokenizer, work, device)
-        use_paged_attention(model)
+        with attn_implementation(model, "sdpa"):
+            t_hf = run_transformers(model, tokenizer, work, device)
         flops = matmul_flops(cfg, work)
         rows.append({"workload": name, "num_prompts": len(work), "output_tokens": num_out,
                      "minicore_s": t_mini, "transformers_s": t_hf,

@@ -24,6 +24,7 @@ class EngineCore:
         self.config = config
         self.model_runner = self._make_model_runner(config, model, tokenizer)
         config.cache_config.num_blocks = self.model_runner.num_blocks
+        _check_kv_cache_fits(config)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config)
 
     @staticmethod
@@ -61,3 +62,15 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
+
+
+def _check_kv_cache_fits(config: EngineConfig) -> None:
+    """A cache that cannot hold one request of max_model_len would preempt such a request forever."""
+    num_blocks, block_size = config.cache_config.num_blocks, config.cache_config.block_size
+    max_model_len = config.scheduler_config.max_model_len
+    needed = -(-max_model_len // block_size) + 1
+    if num_blocks < needed:
+        raise ValueError(
+            f"the KV cache has room for {num_blocks} blocks, but one request of max_model_len "
+            f"({max_model_len}) tokens needs {needed} (with the reserved null block); give the "
+            "cache more memory or lower max_model_len")

@@ -20,6 +20,7 @@ hands through every layer to the attention function.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,18 @@ def use_paged_attention(model: PreTrainedModel) -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+@contextmanager
+def attn_implementation(model: PreTrainedModel, name: str):
+    """Run the model with another attention for a while, e.g. "sdpa" for transformers' own
+    generate on a model minicore serves (the paged attention needs minicore's metadata)."""
+    old = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(old)
 
 
 def _no_mask(**kwargs) -> None:

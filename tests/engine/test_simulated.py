@@ -80,8 +80,10 @@ def test_cost_model_sets_the_step_time():
     start = time.perf_counter()
     engine.step()  # one decode: 0.02 + 0.01
     decode = time.perf_counter() - start
-    assert 0.05 <= prefill < 0.05 + 0.03
-    assert 0.03 <= decode < 0.03 + 0.02
+    # The runner sleeps until a deadline, so the lower bounds are exact; the upper ones only
+    # have to tell the modelled times apart on a busy machine.
+    assert 0.05 <= prefill < 0.05 + 0.25
+    assert 0.03 <= decode < prefill
 
 
 def test_zero_cost_returns_at_once():
@@ -106,3 +108,9 @@ def test_bad_runner_and_cost_are_rejected():
         create_engine_config(runner="fake")
     with pytest.raises(ValueError, match="step_s must be >= 0"):
         SimulatedCost(step_s=-1)
+
+
+def test_kv_cache_too_small_for_max_model_len_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"room for 8 blocks.*max_model_len \(256\).*needs 17"):
+        make_engine(max_model_len=256, block_size=16, num_blocks=8)
+    assert make_engine(max_model_len=256, block_size=16, num_blocks=17).scheduler is not None

@@ -2,12 +2,11 @@
 token, in four configurations (one batch; chunked prefill; prefix-cache hits; preemption), each of
 which is asserted to have really happened."""
 
-from contextlib import contextmanager
-
 import pytest
 import torch
 
 from minicore.llm import LLM
+from minicore.model.attention import attn_implementation
 from minicore.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.model
@@ -30,16 +29,6 @@ SHARED_PREFIX = (
     "never invent facts. If you do not know something, say so plainly and suggest where to look. "
 )
 
-
-@contextmanager
-def attn_implementation(model, name: str):
-    """Run the model with another attention ("sdpa" for transformers' own generate)."""
-    old = model.config._attn_implementation
-    model.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(old)
 
 
 def _reference(model, tokenizer, prompts: list[list[int]]) -> list[list[int]]:

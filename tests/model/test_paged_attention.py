@@ -6,12 +6,16 @@ Block ids are handed out in shuffled order so that no test passes by contiguity.
 """
 
 import random
-from contextlib import contextmanager
 
 import pytest
 import torch
 
-from minicore.model.attention import AttentionMetadata, kv_cache_shape, use_paged_attention
+from minicore.model.attention import (
+    AttentionMetadata,
+    attn_implementation,
+    kv_cache_shape,
+    use_paged_attention,
+)
 
 pytestmark = pytest.mark.model
 
@@ -19,15 +23,6 @@ BLOCK_SIZE = 16
 NUM_BLOCKS = 96
 ATOL = 2e-4
 
-
-@contextmanager
-def attn_implementation(model, name: str):
-    old = model.config._attn_implementation
-    model.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(old)
 
 
 class PagedModel:
