@@ -73,6 +73,19 @@ def fake_output(s: Scheduler, out) -> ModelRunnerOutput:
                              sampled_token_ids=sampled)
 
 
+def add_decodes(s: Scheduler, n: int, prompt_len: int, rng: random.Random) -> None:
+    """Add n never-ending requests and run (untimed) until all are admitted and prefilled."""
+    params = SamplingParams(max_tokens=10**9, ignore_eos=True)
+    for i in range(n):
+        prompt = [rng.randrange(3, VOCAB) for _ in range(prompt_len)]
+        s.add_request(Request(f"d{i}", prompt, params, eos_token_id=EOS, arrival_time=float(i)))
+    for _ in range(10_000):
+        out = s.schedule()
+        s.update_from_output(out, fake_output(s, out))
+        if not s.waiting and all(r.num_computed_tokens == r.num_tokens - 1 for r in s.running):
+            break
+
+
 class Scenario:
     name: str
 
@@ -96,16 +109,7 @@ class Decode(Scenario):
                             max_model_len=self.max_model_len),
             CacheConfig(block_size=BLOCK_SIZE, num_blocks=self.num_blocks),
         )
-        params = SamplingParams(max_tokens=10**9, ignore_eos=True)
-        for i in range(self.n):
-            prompt = [rng.randrange(3, VOCAB) for _ in range(self.prompt_len)]
-            s.add_request(Request(f"d{i}", prompt, params, eos_token_id=EOS, arrival_time=float(i)))
-        # Admit and prefill everything (untimed), then a few decode steps.
-        for _ in range(10_000):
-            out = s.schedule()
-            s.update_from_output(out, fake_output(s, out))
-            if not s.waiting and all(r.num_computed_tokens == r.num_tokens - 1 for r in s.running):
-                break
+        add_decodes(s, self.n, self.prompt_len, rng)
         for _ in range(5):
             out = s.schedule()
             s.update_from_output(out, fake_output(s, out))
@@ -132,15 +136,7 @@ class PrefillMix(Scenario):
                             max_model_len=self.max_model_len),
             CacheConfig(block_size=BLOCK_SIZE, num_blocks=self.num_blocks),
         )
-        params = SamplingParams(max_tokens=10**9, ignore_eos=True)
-        for i in range(self.n_decode):
-            prompt = [self.rng.randrange(3, VOCAB) for _ in range(128)]
-            s.add_request(Request(f"d{i}", prompt, params, eos_token_id=EOS, arrival_time=float(i)))
-        for _ in range(10_000):
-            out = s.schedule()
-            s.update_from_output(out, fake_output(s, out))
-            if not s.waiting and all(r.num_computed_tokens == r.num_tokens - 1 for r in s.running):
-                break
+        add_decodes(s, self.n_decode, 128, self.rng)
         for _ in range(20):  # reach the steady state of the stream
             self.before_step(s)
             out = s.schedule()
