@@ -1,0 +1,84 @@
+"""The DP group with real processes and real gloo collectives: the unfinished-requests all-reduce,
+the balance gather into BalanceScheduler.balance_counts (both awaited from an event loop), and a
+clear error when a rank never arrives. Every wait is bounded."""
+
+import asyncio
+import multiprocessing
+import socket
+import time
+
+import pytest
+
+from minicore.config import CacheConfig, SchedulerConfig
+from minicore.dp.group import DPGroup
+from minicore.request import Request
+from minicore.sampling_params import SamplingParams
+from minicore.scheduler import BalanceScheduler
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, size: int, port: int, results) -> None:
+    group = DPGroup(rank, size, "127.0.0.1", port, timeout_s=30)
+    scheduler = BalanceScheduler(SchedulerConfig(max_num_seqs=4), CacheConfig(num_blocks=64),
+                                 dp_size=size)
+    # Rank r runs r + 1 requests; only the last rank has unfinished work.
+    for i in range(rank + 1):
+        scheduler.add_request(Request(f"{rank}-{i}", [1, 2, 3], SamplingParams(max_tokens=8)))
+    scheduler.schedule()
+
+    async def loop_side():
+        unfinished = await group.has_global_unfinished_reqs_async(rank == size - 1)
+        idle = await group.has_global_unfinished_reqs_async(False)
+        await group.balance_gather_async(scheduler)
+        return unfinished, idle, scheduler.balance_counts
+
+    results.put((rank, *asyncio.run(loop_side())))
+    group.destroy()
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_collectives_across_ranks(size):
+    ctx = multiprocessing.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, size, port, results)) for r in range(size)]
+    for p in procs:
+        p.start()
+    try:
+        got = sorted(results.get(timeout=60) for _ in range(size))
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert [p.exitcode for p in procs] == [0] * size
+    expected_counts = [r + 1 for r in range(size)]
+    assert got == [(r, True, False, expected_counts) for r in range(size)]
+
+
+def _lonely_rank(port: int, results) -> None:
+    start = time.monotonic()
+    try:
+        DPGroup(0, 2, "127.0.0.1", port, timeout_s=2)
+        results.put(("joined", 0.0))
+    except RuntimeError as e:
+        results.put((str(e), time.monotonic() - start))
+
+
+def test_a_missing_rank_is_a_clear_error_not_a_hang():
+    ctx = multiprocessing.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    proc = ctx.Process(target=_lonely_rank, args=(port, results))
+    proc.start()
+    try:
+        message, elapsed = results.get(timeout=60)
+    finally:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+    assert f"DP rank 0 of 2: the group at tcp://127.0.0.1:{port} did not come together" in message
+    assert elapsed < 30
