@@ -259,6 +259,12 @@ class OpenAIServing:
             return sse(e.to_response())
         return sse(make_error(str(e), 503 if isinstance(e, EngineDeadError) else 500))
 
+    async def _run_to_completion(self, choices: list[Choice]) -> None:
+        """Drive every choice's request to its end (a non-streamed response)."""
+        async with aclosing(self._iterate(choices)) as outputs:
+            async for _ in outputs:
+                pass
+
     # ---------------------------------------------------------------------- completions
 
     async def create_completion(self, request: CompletionRequest):
@@ -271,9 +277,7 @@ class OpenAIServing:
         model = request.model or self.model_names[0]
         if request.stream:
             return self._completion_stream(request, response_id, model, choices)
-        async with aclosing(self._iterate(choices)) as outputs:
-            async for _ in outputs:
-                pass
+        await self._run_to_completion(choices)
         return CompletionResponse(
             id=response_id, created=int(time.time()), model=model,
             choices=[CompletionResponseChoice(c.index, c.text, c.finish_reason, c.stop_reason)
@@ -312,9 +316,7 @@ class OpenAIServing:
         model = request.model or self.model_names[0]
         if request.stream:
             return self._chat_stream(request, response_id, model, choices)
-        async with aclosing(self._iterate(choices)) as outputs:
-            async for _ in outputs:
-                pass
+        await self._run_to_completion(choices)
         return ChatCompletionResponse(
             id=response_id, created=int(time.time()), model=model,
             choices=[ChatCompletionResponseChoice(c.index, ChatMessage("assistant", c.text),
