@@ -54,6 +54,25 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                         metavar="JSON", help='the simulated runner\'s step time, e.g. '
                         '\'{"step_s": 0.01, "prefill_token_s": 1e-5, "decode_seq_s": 1e-4}\'')
     _add_engine_args(parser)
+    dp = parser.add_argument_group("data parallel")
+    dp.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                    help="number of engine replicas (DP ranks), on every machine together")
+    dp.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
+                    help="DP ranks to start on this machine (default: all)")
+    dp.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=0,
+                    help="the first DP rank started on this machine (with --headless)")
+    dp.add_argument("--data-parallel-address", "-dpa", default="127.0.0.1",
+                    help="the frontend machine's address, which every rank connects to")
+    dp.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=29550,
+                    help="the DP group's rendezvous port; the engines' handshake is on the next")
+    dp.add_argument("--headless", action="store_true",
+                    help="run only this machine's DP ranks, for a frontend on another machine")
+    dp.add_argument("--balance-scheduling", action="store_true",
+                    help="hold back admission on every rank while one is nearly full "
+                         "(vllm-ascend's balance scheduling)")
+    dp.add_argument("--balance-threshold", choices=["seed", "full"], default="seed",
+                    help="seed: gate at max_num_seqs - 1 running (the patch as merged); "
+                         "full: at max_num_seqs")
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -70,12 +89,24 @@ def _serve(args: argparse.Namespace) -> None:
         args.model = args.model_tag
     kwargs = _engine_kwargs(args)
     kwargs["runner"] = args.runner
+    for name in ("data_parallel_size", "data_parallel_size_local", "data_parallel_start_rank",
+                 "data_parallel_address", "data_parallel_rpc_port", "balance_scheduling",
+                 "balance_threshold"):
+        kwargs[name] = getattr(args, name)
     if args.simulated_cost is not None:
         try:
             kwargs["simulated_cost"] = SimulatedCost(**args.simulated_cost)
         except TypeError as e:  # an unknown key
             raise ValueError(f"--simulated-cost: {e}") from None
     config = create_engine_config(**kwargs)
+    if args.headless:
+        from minicore.dp.launch import run_headless
+
+        run_headless(config)
+        return
+    if config.parallel_config.data_parallel_start_rank != 0:
+        raise ValueError("the frontend's machine runs the DP ranks from 0: "
+                         "--data-parallel-start-rank is for --headless")
     try:
         uvloop.run(run_server(config, args))
     except asyncio.CancelledError:  # a signal while the engine was starting

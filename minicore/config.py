@@ -21,6 +21,8 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     enable_chunked_prefill: bool = True
     policy: SchedulingPolicy = "fcfs"
+    # Data parallel only: BalanceScheduler instead of Scheduler (vllm-ascend's balance scheduling).
+    balance_scheduling: bool = False
     # BalanceScheduler's gate: "seed" stops admission when a rank has max_num_seqs - 1 running
     # (vllm-ascend PR #5212), "full" when a rank is full (vllm-ascend's later fix).
     balance_threshold: BalanceThreshold = "seed"
@@ -101,7 +103,39 @@ class ModelConfig:
 @dataclass(slots=True)
 class ParallelConfig:
     data_parallel_size: int = 1
+    # Each engine process sets its own rank.
     data_parallel_rank: int = 0
+    # Ranks started on this machine (None: all of them), from data_parallel_start_rank on. A
+    # frontend's local ranks start at 0; ranks on other machines start headless.
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
+    # Where the frontend listens for the engines of every machine: the engines' handshake at
+    # rpc_port + 1, and the DP group's torch.distributed rendezvous (hosted by rank 0) at rpc_port.
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int = 29550
+
+    def __post_init__(self):
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.data_parallel_size_local is None:
+            self.data_parallel_size_local = self.data_parallel_size - self.data_parallel_start_rank
+        if not 0 <= self.data_parallel_start_rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_start_rank must be in [0, {self.data_parallel_size}), "
+                             f"got {self.data_parallel_start_rank}")
+        last = self.data_parallel_start_rank + self.data_parallel_size_local
+        if self.data_parallel_size_local < 0 or last > self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_size_local ({self.data_parallel_size_local}) from start rank "
+                f"{self.data_parallel_start_rank} does not fit in data_parallel_size "
+                f"({self.data_parallel_size})")
+        if not 0 < self.data_parallel_rpc_port < 65535:
+            raise ValueError(f"data_parallel_rpc_port must be in (0, 65535), "
+                             f"got {self.data_parallel_rpc_port}")
+
+    @property
+    def local_ranks(self) -> range:
+        return range(self.data_parallel_start_rank,
+                     self.data_parallel_start_rank + self.data_parallel_size_local)
 
 
 @dataclass(slots=True)
@@ -110,6 +144,11 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self):
+        if self.scheduler_config.balance_scheduling and self.parallel_config.data_parallel_size < 2:
+            raise ValueError("balance scheduling balances data-parallel ranks: it needs "
+                             "data_parallel_size >= 2")
 
 
 def create_engine_config(**kwargs) -> EngineConfig:

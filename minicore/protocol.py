@@ -88,6 +88,10 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # time.monotonic() in the engine when the frame was made.
     timestamp: float = 0.0
     utility_output: UtilityOutput | None = None
-    finished_requests: set[str] | None = None
+    # ADD messages the engine has taken so far: the frontend's load balancer counts the requests
+    # sent that an engine's stats do not include yet.
+    num_received_requests: int = 0
+    # Data parallel waves: rank 0 reports the wave that ended; an engine that got a request for an
+    # ended wave asks for this one to start.
     wave_complete: int | None = None
     start_wave: int | None = None

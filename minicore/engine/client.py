@@ -1,19 +1,24 @@
-"""AsyncEngineClient: the frontend's side of an engine process, on the frontend's event loop.
+"""AsyncEngineClient: the frontend's side of the engine processes, on the frontend's event loop.
 
-Mirrors AsyncLLM (vllm/v1/engine/async_llm.py) with the parts of AsyncMPClient
-(vllm/v1/engine/core_client.py) and the output handling of vllm/v1/engine/output_processor.py that
-a single-engine frontend needs: it starts the engine process and does the startup handshake,
-sends requests on a ROUTER socket and reads outputs from a PULL socket (msgspec msgpack), keeps a
-RequestState per request (detokenizing, stop strings, timestamps), and streams RequestOutputs to
-each request's consumer. It watches the engine process: when it dies (or sends ENGINE_CORE_DEAD)
-every in-flight request fails at once with EngineDeadError and the client turns unhealthy.
+Mirrors AsyncLLM (vllm/v1/engine/async_llm.py) with the parts of AsyncMPClient and
+DPLBAsyncMPClient (vllm/v1/engine/core_client.py) and the output handling of
+vllm/v1/engine/output_processor.py that minicore needs: it starts the engine processes (one, or one
+per local DP rank) and does the startup handshake with each (ranks on other machines connect to
+it), sends requests on a ROUTER socket and reads outputs from a PULL socket (msgspec msgpack),
+keeps a RequestState per request (detokenizing, stop strings, timestamps), and streams
+RequestOutputs to each request's consumer. With data parallelism a DPCoordinator (minicore/dp)
+picks each request's engine and keeps the engines' waves going. It watches the engine processes:
+when one dies (or sends ENGINE_CORE_DEAD) every in-flight request fails at once with
+EngineDeadError, the client turns unhealthy, and it stops its other engines (DP ranks cannot go on
+without a peer).
 
 Streams are cumulative (each RequestOutput has all text and token ids so far) and, as vLLM's
 RequestOutputCollector, coalescing: a consumer that falls behind gets the newest state, not a
-backlog. Left out: several engines and DP load balancing (minicore/dp), logprobs, n > 1, LoRA.
+backlog. Left out: several frontends, logprobs, n > 1, LoRA.
 """
 
 import asyncio
+import functools
 import itertools
 import logging
 import multiprocessing
@@ -27,7 +32,8 @@ import zmq
 import zmq.asyncio
 
 from minicore.config import EngineConfig
-from minicore.engine.core_proc import freeze_gc_heap, make_zmq_socket, run_engine_core
+from minicore.dp.coordinator import DPCoordinator
+from minicore.engine.core_proc import freeze_gc_heap, make_zmq_socket, start_engine_processes
 from minicore.engine.output_processor import RequestState
 from minicore.model.loader import load_tokenizer, resolve_model_dir
 from minicore.outputs import RequestOutput
@@ -92,7 +98,8 @@ class AsyncEngineClient:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.model_name = model_name
-        self.engine_index = 0
+        self.num_engines = config.parallel_config.data_parallel_size
+        self.coordinator = DPCoordinator(self.num_engines) if self.num_engines > 1 else None
         # RequestState of every in-flight request, by request id.
         self.states: dict[str, RequestState] = {}
         # The newest scheduler stats of each engine, by engine index.
@@ -103,12 +110,14 @@ class AsyncEngineClient:
         self._utility_calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._encoder = msgspec.msgpack.Encoder()
-        self._identity = self.engine_index.to_bytes(2, "little")
+        self._identities = [i.to_bytes(2, "little") for i in range(self.num_engines)]
         self._dead_reason: str | None = None
         self._shutting_down = False
         self._tmpdir = tempfile.mkdtemp(prefix="minicore-")
         self.ctx = zmq.Context()
-        self.proc: multiprocessing.Process | None = None
+        # This machine's engine processes, by DP rank (ranks on other machines have none here).
+        self.procs: dict[int, multiprocessing.Process] = {}
+        # Set when the first of them exits.
         self._engine_exited = asyncio.get_running_loop().create_future()
         self._output_task: asyncio.Task | None = None
 
@@ -118,8 +127,8 @@ class AsyncEngineClient:
     async def create(cls, config: EngineConfig, *, startup_timeout: float = 300.0,
                      model_name: str | None = None) -> "AsyncEngineClient":
         """Resolve the model (a GGUF is converted once to a cached safetensors directory, so the
-        frontend and the engine read the same files), load the tokenizer, start the engine and
-        wait for it to be READY. Sets config.model_config.model to the resolved directory and
+        frontend and the engines read the same files), load the tokenizer, start the engines and
+        wait for every one (local or not) to be READY. Sets config.model_config.model to the resolved directory and
         config.cache_config.num_blocks to the engine's KV blocks."""
         name = model_name or config.model_config.model or DEFAULT_MODEL_NAME
         model_dir = await asyncio.to_thread(resolve_model_dir, config.model_config.model)
@@ -127,7 +136,7 @@ class AsyncEngineClient:
         tokenizer, vocab_size = await asyncio.to_thread(load_tokenizer, model_dir)
         client = cls(config, tokenizer, vocab_size, name)
         try:
-            await client._start_engine(startup_timeout)
+            await client._start_engines(startup_timeout)
         except BaseException:
             await client.shutdown()
             raise
@@ -135,47 +144,75 @@ class AsyncEngineClient:
         freeze_gc_heap()
         return client
 
-    def _address(self, name: str) -> str:
-        return f"ipc://{self._tmpdir}/{name}"
+    def _bind(self, socket_type: int, name: str) -> zmq.Socket:
+        """Bind a frontend socket: ipc for one engine; tcp with data parallelism, so that ranks on
+        other machines can connect (the handshake at rpc_port + 1, the others on free ports)."""
+        pc = self.config.parallel_config
+        if self.num_engines == 1:
+            address = f"ipc://{self._tmpdir}/{name}"
+        elif name == "handshake":
+            address = f"tcp://{pc.data_parallel_address}:{pc.data_parallel_rpc_port + 1}"
+        else:
+            address = f"tcp://{pc.data_parallel_address}:*"
+        try:
+            return make_zmq_socket(self.ctx, address, socket_type, bind=True)
+        except zmq.ZMQError as e:
+            raise RuntimeError(f"the frontend cannot listen on {address}: {e}") from None
 
-    async def _start_engine(self, timeout: float) -> None:
+    async def _start_engines(self, timeout: float) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         # Requests go out on input_socket (sync: sends never block, HWM is unlimited) and
         # outputs come in on output_socket.
-        self.input_socket = make_zmq_socket(self.ctx, self._address("input"), zmq.ROUTER,
-                                            bind=True)
+        self.input_socket = self._bind(zmq.ROUTER, "input")
         # Sending to an engine that is gone raises instead of dropping the message silently.
         self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.output_socket = zmq.asyncio.Socket.from_socket(
-            make_zmq_socket(self.ctx, self._address("output"), zmq.PULL, bind=True))
-        handshake = zmq.asyncio.Socket.from_socket(
-            make_zmq_socket(self.ctx, self._address("handshake"), zmq.ROUTER, bind=True))
+        output_socket = self._bind(zmq.PULL, "output")
+        self.output_socket = zmq.asyncio.Socket.from_socket(output_socket)
+        handshake = zmq.asyncio.Socket.from_socket(self._bind(zmq.ROUTER, "handshake"))
+        addresses = msgspec.msgpack.encode({
+            "input": self.input_socket.getsockopt_string(zmq.LAST_ENDPOINT),
+            "output": output_socket.getsockopt_string(zmq.LAST_ENDPOINT)})
         try:
-            proc = multiprocessing.get_context("spawn").Process(
-                target=run_engine_core, name=f"EngineCore_{self.engine_index}", daemon=True,
-                args=(self.config, self._address("handshake"), self.engine_index))
-            proc.start()
-            self.proc = proc
-            loop.add_reader(self.proc.sentinel, self._on_engine_exit)
-            _, hello = await self._startup_wait(handshake.recv_multipart(), deadline, "HELLO")
-            self._check_status(hello, "HELLO")
-            await handshake.send_multipart([self._identity, msgspec.msgpack.encode(
-                {"input": self._address("input"), "output": self._address("output")})])
-            _, ready = await self._startup_wait(handshake.recv_multipart(), deadline, "READY")
-            ready = self._check_status(ready, "READY")
-            # The engine's first frame on the input socket, which lets the ROUTER route to it. It
-            # was sent before the model load, so it is here by now (a blocking poll, as vLLM's).
-            if not self.input_socket.poll(timeout=max(0, int((deadline - loop.time()) * 1000))):
-                raise TimeoutError("the engine core's first input frame did not arrive")
-            self.input_socket.recv_multipart()
+            self.procs = start_engine_processes(
+                self.config, handshake.getsockopt_string(zmq.LAST_ENDPOINT))
+            for rank, proc in self.procs.items():
+                loop.add_reader(proc.sentinel, functools.partial(self._on_engine_exit, rank))
+            num_blocks = await self._handshake(handshake, addresses, deadline)
+            # Each engine's first frame on the input socket, which lets the ROUTER route to it.
+            # It was sent before the model load, so it is here by now (a blocking poll, as vLLM's).
+            for _ in range(self.num_engines):
+                if not self.input_socket.poll(timeout=max(0, int((deadline - loop.time()) * 1000))):
+                    raise TimeoutError("an engine core's first input frame did not arrive")
+                self.input_socket.recv_multipart()
         finally:
             handshake.close(linger=0)
-        self.config.cache_config.num_blocks = ready["num_gpu_blocks"]
+        self.config.cache_config.num_blocks = min(num_blocks.values())
         self._output_task = asyncio.create_task(self._process_outputs())
         self._output_task.add_done_callback(self._on_output_task_done)
-        logger.info("engine core %d ready (pid %d): %d KV blocks", self.engine_index,
-                    self.proc.pid, ready["num_gpu_blocks"])
+        logger.info("%d engine core(s) ready: KV blocks by engine %s", self.num_engines, num_blocks)
+
+    async def _handshake(self, handshake: zmq.asyncio.Socket, addresses: bytes,
+                         deadline: float) -> dict[int, int]:
+        """HELLO, then READY, from every engine, in any order: answer each HELLO with the
+        addresses to connect to. Returns each engine's number of KV blocks."""
+        waiting_hello, num_blocks = set(range(self.num_engines)), {}
+        while len(num_blocks) < self.num_engines:
+            what = ("HELLO from engine(s) " + str(sorted(waiting_hello)) if waiting_hello else
+                    "READY from engine(s) " + str(sorted(set(range(self.num_engines)) - set(num_blocks))))
+            identity, frame = await self._startup_wait(handshake.recv_multipart(), deadline, what)
+            message, index = msgspec.msgpack.decode(frame), int.from_bytes(identity, "little")
+            status = message.get("status") if isinstance(message, dict) else None
+            if status == "HELLO" and index in waiting_hello:
+                waiting_hello.remove(index)
+                await handshake.send_multipart([identity, addresses])
+            elif status == "READY" and index < self.num_engines and index not in waiting_hello:
+                num_blocks[index] = message["num_gpu_blocks"]
+            else:
+                raise RuntimeError(f"engine handshake: unexpected {message!r} from engine {index} "
+                                   f"(a DP rank started twice, or outside the data parallel size "
+                                   f"{self.num_engines}?)")
+        return num_blocks
 
     async def _startup_wait(self, recv: asyncio.Future, deadline: float, what: str):
         loop = asyncio.get_running_loop()
@@ -186,17 +223,12 @@ class AsyncEngineClient:
             return recv.result()
         recv.cancel()
         if self._engine_exited.done():
-            raise RuntimeError(f"the engine core process exited with code {self.proc.exitcode} "
-                               f"during startup (before its {what}); see its log above")
-        raise TimeoutError(f"the engine core process (pid {self.proc.pid}) did not send its "
-                           f"{what} within the startup timeout")
-
-    @staticmethod
-    def _check_status(frame: bytes, status: str) -> dict:
-        message = msgspec.msgpack.decode(frame)
-        if not isinstance(message, dict) or message.get("status") != status:
-            raise RuntimeError(f"engine handshake: expected {status}, got {message!r}")
-        return message
+            raise RuntimeError(f"{self._dead_reason} during startup, while waiting for {what}; "
+                               "see its log above")
+        remote = sorted(set(range(self.num_engines)) - set(self.procs))
+        hint = (f" (ranks {remote} are not started here: start them with --headless)"
+                if remote else "")
+        raise TimeoutError(f"no {what} within the startup timeout{hint}")
 
     # ---- health --------------------------------------------------------------------------------
 
@@ -206,19 +238,20 @@ class AsyncEngineClient:
 
     @property
     def is_healthy(self) -> bool:
-        return not self.errored and self.proc is not None and self.proc.is_alive()
+        return not self.errored and all(proc.is_alive() for proc in self.procs.values())
 
     @property
     def dead_error(self) -> EngineDeadError:
-        return EngineDeadError(f"engine core {self.engine_index} is dead: {self._dead_reason}")
+        return EngineDeadError(f"the engine core is dead: {self._dead_reason}")
 
-    def _on_engine_exit(self) -> None:
-        asyncio.get_running_loop().remove_reader(self.proc.sentinel)
+    def _on_engine_exit(self, rank: int) -> None:
+        proc = self.procs[rank]
+        asyncio.get_running_loop().remove_reader(proc.sentinel)
         # The sentinel turns readable as the process exits, a moment before it can be reaped.
-        self.proc.join(1.0)
+        proc.join(1.0)
+        self._set_dead(f"engine core {rank}'s process exited with code {proc.exitcode}")
         if not self._engine_exited.done():
-            self._engine_exited.set_result(self.proc.exitcode)
-        self._set_dead(f"its process exited with code {self.proc.exitcode}")
+            self._engine_exited.set_result(rank)
 
     def _on_output_task_done(self, task: asyncio.Task) -> None:
         if not task.cancelled() and (error := task.exception()) is not None:
@@ -232,8 +265,12 @@ class AsyncEngineClient:
             return
         self._dead_reason = reason
         if not self._shutting_down:
-            logger.error("engine core %d is dead: %s; failing %d in-flight requests",
-                         self.engine_index, reason, len(self._streams))
+            logger.error("the engine core is dead: %s; failing %d in-flight requests", reason,
+                         len(self._streams))
+            # DP ranks cannot go on without a peer: stop them rather than leave them waiting.
+            for proc in self.procs.values():
+                if proc.is_alive():
+                    proc.terminate()
         error = self.dead_error
         for stream in self._streams.values():
             stream.fail(error)
@@ -247,9 +284,10 @@ class AsyncEngineClient:
     # ---- requests ------------------------------------------------------------------------------
 
     async def generate(self, prompt: str | None, prompt_token_ids: list[int],
-                       params: SamplingParams, request_id: str, *,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams, request_id: str, *, priority: int = 0,
+                       data_parallel_rank: int | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's cumulative RequestOutputs, the last with finished=True.
+        data_parallel_rank: the engine to run it on (default: the least loaded).
 
         Raises ValueError (at the first iteration, before anything is sent) for an invalid
         request, EngineDeadError if the engine is or becomes dead. A request left unfinished is
@@ -260,14 +298,14 @@ class AsyncEngineClient:
         """
         if self.errored:
             raise self.dead_error
-        self._validate(prompt_token_ids, params, request_id)
+        self._validate(prompt_token_ids, params, request_id, data_parallel_rank)
         state = RequestState(request_id, prompt, list(prompt_token_ids), params, self.tokenizer)
         stream = RequestStream(state)
         self.states[request_id] = state
         self._streams[request_id] = stream
-        self._send(EngineCoreRequestType.ADD, EngineCoreRequest(
+        self._add_request(EngineCoreRequest(
             request_id, state.prompt_token_ids, params, self.tokenizer.eos_token_id,
-            state.arrival_time, priority))
+            state.arrival_time, priority, data_parallel_rank=data_parallel_rank), state)
         try:
             while True:
                 output = await stream.get()
@@ -278,8 +316,28 @@ class AsyncEngineClient:
             if self._streams.get(request_id) is stream:
                 self._abort(request_id, notify=False)
 
-    def _validate(self, prompt_token_ids: list[int], params: SamplingParams,
-                  request_id: str) -> None:
+    def _add_request(self, request: EngineCoreRequest, state: RequestState) -> None:
+        if self.coordinator is None:
+            self._send(EngineCoreRequestType.ADD, request)
+            return
+        state.engine_index = self.coordinator.select_engine(request.data_parallel_rank)
+        request.current_wave = self.coordinator.current_wave
+        self._send(EngineCoreRequestType.ADD, request, state.engine_index)
+        if (start := self.coordinator.on_request_sent(state.engine_index)) is not None:
+            self._start_wave(*start)
+
+    def _start_wave(self, wave: int, exclude_engine_index: int) -> None:
+        """Wake the engines for a wave (the one given the request that starts it wakes itself)."""
+        for engine_index in range(self.num_engines):
+            if engine_index != exclude_engine_index:
+                self._send(EngineCoreRequestType.START_DP_WAVE, (wave, exclude_engine_index),
+                           engine_index)
+
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                  data_parallel_rank: int | None) -> None:
+        if data_parallel_rank is not None and not 0 <= data_parallel_rank < self.num_engines:
+            raise ValueError(f"data_parallel_rank {data_parallel_rank} is out of range: there "
+                             f"are {self.num_engines} data parallel engines")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.states:
@@ -305,29 +363,31 @@ class AsyncEngineClient:
         state = self.states.pop(request_id)
         stream = self._streams.pop(request_id)
         if not self.errored:
-            self._send(EngineCoreRequestType.ABORT, [request_id], raise_if_dead=False)
+            self._send(EngineCoreRequestType.ABORT, [request_id], state.engine_index,
+                       raise_if_dead=False)
         state.finish_reason = "abort"
         if notify:
             stream.notify()
         if self.on_request_finished is not None:
             self.on_request_finished(state)
 
-    async def call_utility(self, method: str, *args) -> Any:
-        """Call an engine utility ("get_stats", "reset_prefix_cache", "ping") and return its
-        result; RuntimeError if it failed in the engine."""
+    async def call_utility(self, method: str, *args, engine_index: int = 0) -> Any:
+        """Call an engine utility ("get_stats", "reset_prefix_cache", "ping") on one engine and
+        return its result; RuntimeError if it failed in the engine."""
         if self.errored:
             raise self.dead_error
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
         self._utility_calls[call_id] = future
-        self._send(EngineCoreRequestType.UTILITY, (call_id, method, args))
+        self._send(EngineCoreRequestType.UTILITY, (call_id, method, args), engine_index)
         return await future
 
-    def _send(self, request_type: EngineCoreRequestType, payload, raise_if_dead: bool = True):
+    def _send(self, request_type: EngineCoreRequestType, payload, engine_index: int = 0,
+              raise_if_dead: bool = True):
         try:
             self.input_socket.send_multipart(
-                (self._identity, request_type.value, self._encoder.encode(payload)),
-                flags=zmq.NOBLOCK)
+                (self._identities[engine_index], request_type.value,
+                 self._encoder.encode(payload)), flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:
             self._set_dead(f"sending to it failed ({e})")
             if raise_if_dead:
@@ -340,7 +400,7 @@ class AsyncEngineClient:
         while True:
             frame = await self.output_socket.recv()
             if frame == ENGINE_CORE_DEAD:
-                self._set_dead("it reported a fatal error (ENGINE_CORE_DEAD)")
+                self._set_dead("an engine core reported a fatal error (ENGINE_CORE_DEAD)")
                 return
             try:
                 outputs = decoder.decode(frame)
@@ -356,6 +416,8 @@ class AsyncEngineClient:
     def _handle_outputs(self, outputs: EngineCoreOutputs) -> None:
         if outputs.scheduler_stats is not None:
             self.latest_stats[outputs.engine_index] = outputs.scheduler_stats
+        if self.coordinator is not None and (start := self.coordinator.on_outputs(outputs)):
+            self._start_wave(*start)
         if (result := outputs.utility_output) is not None:
             future = self._utility_calls.pop(result.call_id, None)
             if future is not None and not future.done():
@@ -370,7 +432,8 @@ class AsyncEngineClient:
             previous_token_time = state.last_token_time
             if state.process(output):
                 # A stop string ended it: the engine does not know, so abort it there.
-                self._send(EngineCoreRequestType.ABORT, [output.request_id], raise_if_dead=False)
+                self._send(EngineCoreRequestType.ABORT, [output.request_id], state.engine_index,
+                           raise_if_dead=False)
             if self.on_new_tokens is not None and output.new_token_ids:
                 interval = (None if previous_token_time is None
                             else state.last_token_time - previous_token_time)
@@ -384,7 +447,7 @@ class AsyncEngineClient:
     # ---- shutdown ------------------------------------------------------------------------------
 
     async def shutdown(self) -> None:
-        """Stop the engine (SIGTERM, then SIGKILL after a timeout), fail what is still in flight,
+        """Stop the local engines (SIGTERM, then SIGKILL after a timeout), fail what is still in flight,
         close the sockets. Safe to call more than once."""
         if self._shutting_down:
             return
@@ -392,19 +455,24 @@ class AsyncEngineClient:
         self._set_dead("the client was shut down")
         if self._output_task is not None:
             self._output_task.cancel()
-        if self.proc is not None:
-            if self.proc.is_alive():
-                self.proc.terminate()
-                await asyncio.to_thread(self.proc.join, SHUTDOWN_TIMEOUT_S)
-            if self.proc.is_alive():
-                logger.warning("engine core %d did not stop within %g s: killing it",
-                               self.engine_index, SHUTDOWN_TIMEOUT_S)
-                self.proc.kill()
-                await asyncio.to_thread(self.proc.join, SHUTDOWN_TIMEOUT_S)
-            if not self._engine_exited.done():
-                asyncio.get_running_loop().remove_reader(self.proc.sentinel)
+        await self._stop_engine_processes()
         if self._output_task is not None:
             # Closing the asyncio socket first unregisters it from the event loop.
             self.output_socket.close(linger=0)
         self.ctx.destroy(linger=0)
         shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    async def _stop_engine_processes(self) -> None:
+        loop = asyncio.get_running_loop()
+        for proc in self.procs.values():
+            loop.remove_reader(proc.sentinel)
+            if proc.is_alive():
+                proc.terminate()
+        deadline = loop.time() + SHUTDOWN_TIMEOUT_S
+        for rank, proc in self.procs.items():
+            await asyncio.to_thread(proc.join, max(0.0, deadline - loop.time()))
+            if proc.is_alive():
+                logger.warning("engine core %d did not stop within %g s: killing it", rank,
+                               SHUTDOWN_TIMEOUT_S)
+                proc.kill()
+                await asyncio.to_thread(proc.join, SHUTDOWN_TIMEOUT_S)

@@ -11,7 +11,7 @@ import logging
 from minicore.config import EngineConfig
 from minicore.protocol import EngineCoreOutput
 from minicore.request import Request, RequestStatus
-from minicore.scheduler import Scheduler
+from minicore.scheduler import BalanceScheduler, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ class EngineCore:
         self.model_runner = self._make_model_runner(config, model, tokenizer)
         config.cache_config.num_blocks = self.model_runner.num_blocks
         _check_kv_cache_fits(config)
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config)
+        self.scheduler = make_scheduler(config)
 
     @staticmethod
     def _make_model_runner(config: EngineConfig, model, tokenizer):
@@ -62,6 +62,12 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
+
+def make_scheduler(config: EngineConfig) -> Scheduler:
+    if config.scheduler_config.balance_scheduling:
+        return BalanceScheduler(config.scheduler_config, config.cache_config,
+                                config.parallel_config.data_parallel_size)
+    return Scheduler(config.scheduler_config, config.cache_config)
 
 
 def _check_kv_cache_fits(config: EngineConfig) -> None:

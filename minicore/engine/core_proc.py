@@ -14,13 +14,15 @@ Startup handshake (the frontend binds, the engine connects):
   on the input so the frontend's ROUTER learns its identity, builds the EngineCore (loads the
   model), then: engine -> frontend  READY {"status": "READY", "num_gpu_blocks": KV blocks}
 
-Left out: the DP coordinator and waves (minicore/dp), several frontends per engine, the batch
-queue for pipeline parallelism, KV connectors, structured output, request preprocessing caches.
+Data parallelism (waves, collectives) is DPEngineCoreProc's, in minicore/dp/engine.py. Left out:
+several frontends per engine, the batch queue for pipeline parallelism, KV connectors, structured output, request preprocessing caches.
 """
 
 import asyncio
+import contextlib
 import gc
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -82,6 +84,50 @@ def make_zmq_socket(ctx: zmq.Context, address: str, socket_type: int, *, bind: b
     return sock
 
 
+def start_engine_processes(config: EngineConfig,
+                           handshake_address: str) -> dict[int, multiprocessing.Process]:
+    """Start this machine's engine processes ("spawn"), one per local DP rank, by rank. They
+    are daemons: they do not outlive the process that started them."""
+    procs = {}
+    for local_rank, rank in enumerate(config.parallel_config.local_ranks):
+        proc = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, name=f"EngineCore_DP{rank}", daemon=True,
+            args=(config, handshake_address, rank))
+        with _visible_device(config, local_rank):
+            proc.start()
+        procs[rank] = proc
+    return procs
+
+
+@contextlib.contextmanager
+def _visible_device(config: EngineConfig, local_rank: int):
+    """On CUDA with several local DP ranks, the process started here sees only its own GPU (as
+    vLLM sets CUDA_VISIBLE_DEVICES per engine process)."""
+    mc = config.model_config
+    if (config.parallel_config.data_parallel_size_local < 2 or mc.runner == "simulated"
+            or (mc.device or "cuda").startswith("cpu")):
+        yield
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        yield
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if local_rank >= len(devices):
+        raise ValueError(f"{config.parallel_config.data_parallel_size_local} local DP ranks need "
+                         f"as many GPUs; this machine has {len(devices)}")
+    os.environ["CUDA_VISIBLE_DEVICES"] = devices[local_rank]
+    try:
+        yield
+    finally:
+        if visible is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
+
+
 def run_engine_core(config: EngineConfig, handshake_address: str, engine_index: int = 0, *,
                     handshake_timeout: float = HANDSHAKE_TIMEOUT_S) -> None:
     """Entry point of an engine process (multiprocessing "spawn"): handshake, load the model, serve
@@ -101,7 +147,13 @@ def run_engine_core(config: EngineConfig, handshake_address: str, engine_index: 
     engine_core: EngineCoreProc | None = None
     fatal = False
     try:
-        engine_core = EngineCoreProc(config, handshake_address, engine_index, handshake_timeout)
+        engine_core_cls = EngineCoreProc
+        if config.parallel_config.data_parallel_size > 1:
+            from minicore.dp.engine import DPEngineCoreProc
+
+            config.parallel_config.data_parallel_rank = engine_index
+            engine_core_cls = DPEngineCoreProc
+        engine_core = engine_core_cls(config, handshake_address, engine_index, handshake_timeout)
         uvloop.run(engine_core.run())
         logger.info("EngineCore exiting.")
     except SystemExit:
@@ -131,8 +183,11 @@ def _configure_process(config: EngineConfig, engine_index: int) -> None:
     device = config.model_config.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if torch.device(device).type == "cpu":
         # On few cores, OpenMP threads that compete with the frontend's busy core are much slower
-        # than one thread fewer (17x measured on 2 cores with two threads).
-        threads = os.environ.get("MINICORE_CPU_THREADS") or max(1, (os.cpu_count() or 1) - 1)
+        # than one thread fewer (17x measured on 2 cores with two threads); the local DP ranks
+        # share what is left.
+        num_local = config.parallel_config.data_parallel_size_local or 1
+        threads = (os.environ.get("MINICORE_CPU_THREADS")
+                   or max(1, ((os.cpu_count() or 1) - 1) // num_local))
         torch.set_num_threads(int(threads))
 
 
@@ -158,6 +213,7 @@ class EngineCoreProc(EngineCore):
                                                   bind=False, linger=4000)
             # The frontend's ROUTER can route to this engine only once it has heard from it.
             self._input_socket.send(b"")
+            self._init_data_parallel(config)
             super().__init__(config)
             freeze_gc_heap()
             handshake.send(msgspec.msgpack.encode(
@@ -172,6 +228,10 @@ class EngineCoreProc(EngineCore):
             EngineCoreRequestType.START_DP_WAVE: msgspec.msgpack.Decoder(tuple[int, int]),
         }
         self._last_stats = None
+        self.num_received_requests = 0
+
+    def _init_data_parallel(self, config: EngineConfig) -> None:
+        """Join the DP group before the model loads (DPEngineCoreProc); nothing to do alone."""
 
     def _startup_handshake(self, handshake: zmq.Socket, address: str,
                            timeout: float) -> dict[str, str]:
@@ -287,13 +347,18 @@ class EngineCoreProc(EngineCore):
         except (TimeoutError, zmq.ZMQError, asyncio.CancelledError):
             logger.critical("EngineCore %d could not send ENGINE_CORE_DEAD.", self.engine_index)
 
-    def _send(self, outputs: list[EngineCoreOutput],
-              utility_output: UtilityOutput | None = None) -> None:
-        """Queue outputs for the frontend, always with the current stats: every frame tells the
-        frontend the state the engine was in when it made it."""
+    def _send(self, outputs: list[EngineCoreOutput] = (), **fields) -> None:
+        """Queue outputs (and other EngineCoreOutputs fields) for the frontend, always with the
+        current stats: every frame tells the frontend the state the engine was in when it made
+        it, and the frontend balances load on those counts."""
         stats = self._last_stats = self.scheduler.make_stats()
         self.output_queue.put_nowait(EngineCoreOutputs(
-            self.engine_index, outputs, stats, time.monotonic(), utility_output))
+            self.engine_index, list(outputs), stats, time.monotonic(),
+            num_received_requests=self.num_received_requests, **fields))
+
+    def _publish_stats_if_changed(self) -> None:
+        if self.scheduler.make_stats() != self._last_stats:
+            self._send()
 
     # ---- the busy loop -------------------------------------------------------------------------
 
@@ -313,8 +378,7 @@ class EngineCoreProc(EngineCore):
             if self.shutdown_requested:
                 return
             # Inputs handled while idle (an abort, say) change the stats no step will send.
-            if self.scheduler.make_stats() != self._last_stats:
-                self._send([])
+            self._publish_stats_if_changed()
             self._handle_client_request(*await self.input_queue.get())
             must_wait = False
         self._drain_input_queue()
@@ -328,12 +392,14 @@ class EngineCoreProc(EngineCore):
         if not self.scheduler.has_unfinished_requests():
             return False
         scheduler_output = self.scheduler.schedule()
-        model_output = await asyncio.get_running_loop().run_in_executor(
-            self.executor, self.model_runner.execute_model, scheduler_output)
+        model_output = await self._run_forward(self.model_runner.execute_model, scheduler_output)
         # Inputs that arrived during the forward first: an abort then drops the request's output.
         self._drain_input_queue()
         self._send(self.scheduler.update_from_output(scheduler_output, model_output))
         return scheduler_output.total_num_scheduled_tokens > 0
+
+    async def _run_forward(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     def _handle_client_request(self, request_type, request: Any) -> None:
         if request_type is EngineCoreRequestType.ADD:
@@ -349,6 +415,7 @@ class EngineCoreProc(EngineCore):
             raise RuntimeError("an engine socket task failed") from request
 
     def _add_request(self, request: EngineCoreRequest) -> None:
+        self.num_received_requests += 1
         try:
             self.add_request(Request(request.request_id, request.prompt_token_ids,
                                      request.sampling_params, request.eos_token_id,
@@ -369,7 +436,7 @@ class EngineCoreProc(EngineCore):
             except Exception as e:
                 logger.exception("EngineCore %d: utility %s failed", self.engine_index, method)
                 output.failure_message = f"call to {method} failed: {e}"
-        self._send([], output)
+        self._send(utility_output=output)
 
     # ---- utility methods -----------------------------------------------------------------------
 

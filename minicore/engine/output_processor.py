@@ -19,6 +19,8 @@ class RequestState:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, tokenizer, arrival_time: float | None = None):
         self.request_id = request_id
+        # The DP rank that runs it.
+        self.engine_index = 0
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop)

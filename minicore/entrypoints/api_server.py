@@ -150,7 +150,7 @@ def build_app(client: AsyncEngineClient, serving: OpenAIServing, metrics: Server
     async def health():
         if client.is_healthy:
             return Response(status_code=200)
-        return error_response(OpenAIError("the engine process is dead", 503))
+        return error_response(OpenAIError("an engine core process is dead", 503))
 
     @app.get("/version")
     async def version():
@@ -182,13 +182,20 @@ def build_app(client: AsyncEngineClient, serving: OpenAIServing, metrics: Server
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request):
-        return await run(serving.create_completion(request), raw_request, request.stream)
+        return await run(serving.create_completion(request, rank_header(raw_request)),
+                         raw_request, request.stream)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
-        return await run(serving.create_chat_completion(request), raw_request, request.stream)
+        return await run(serving.create_chat_completion(request, rank_header(raw_request)),
+                         raw_request, request.stream)
 
     return app
+
+
+def rank_header(raw_request: Request) -> str | None:
+    """vLLM's header for running a request on a given DP engine."""
+    return raw_request.headers.get("X-data-parallel-rank")
 
 
 async def _log_stats(metrics: ServerMetrics, client: AsyncEngineClient) -> None:

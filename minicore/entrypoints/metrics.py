@@ -58,20 +58,32 @@ ENGINE_COUNTERS = (
 
 
 class SchedulerStatsCollector:
-    """A custom Prometheus collector over the engines' latest SchedulerStats."""
+    """A custom Prometheus collector over the engines' latest SchedulerStats. With several (DP)
+    engines each series also has engine="all": the sum over the engines (the mean for KV cache
+    usage), so leave it out when summing by hand: sum(...{engine!="all"})."""
 
     def __init__(self, model_name: str, stats: StatsSource):
         self.model_name, self.stats = model_name, stats
 
     def collect(self):
-        stats = sorted(self.stats().items())
+        stats = [(str(engine), s) for engine, s in sorted(self.stats().items())]
+        if len(stats) > 1:
+            stats.append(("all", sum_stats([s for _, s in stats])))
         for family, table in ((GaugeMetricFamily, ENGINE_GAUGES),
                               (CounterMetricFamily, ENGINE_COUNTERS)):
             for name, doc, field in table:
                 metric = family(f"minicore:{name}", doc, labels=LABELS)
                 for engine, s in stats:
-                    metric.add_metric([self.model_name, str(engine)], getattr(s, field))
+                    metric.add_metric([self.model_name, engine], getattr(s, field))
                 yield metric
+
+
+def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
+    """Several engines' stats as one: sums, and the mean KV cache usage."""
+    total = SchedulerStats(**{f: sum(getattr(s, f) for s in stats)
+                              for f in SchedulerStats.__struct_fields__})
+    total.kv_cache_usage /= len(stats)
+    return total
 
 
 class ServerMetrics:
@@ -110,10 +122,11 @@ class ServerMetrics:
         self.num_prompt_tokens = [0] * num_engines
         self.num_generation_tokens = [0] * num_engines
 
-    def on_new_tokens(self, state: RequestState, num_new_tokens: int, interval: float | None,
-                      engine: int = 0) -> None:
+    def on_new_tokens(self, state: RequestState, num_new_tokens: int,
+                      interval: float | None) -> None:
         """AsyncEngineClient's hook: an engine output brought a request num_new_tokens tokens,
         interval seconds after its previous output (None: these are its first)."""
+        engine = state.engine_index
         if interval is None:
             self._ttft[engine].observe(state.first_token_time - state.arrival_time)
             num_prompt = len(state.prompt_token_ids)
@@ -124,10 +137,10 @@ class ServerMetrics:
         self._generation_tokens[engine].inc(num_new_tokens)
         self.num_generation_tokens[engine] += num_new_tokens
 
-    def on_request_finished(self, state: RequestState, engine: int = 0) -> None:
+    def on_request_finished(self, state: RequestState) -> None:
         """AsyncEngineClient's hook: a request finished (stop, length or abort)."""
-        self._e2e[engine].observe(time.monotonic() - state.arrival_time)
-        self._success.labels(self.model_name, str(engine), state.finish_reason).inc()
+        self._e2e[state.engine_index].observe(time.monotonic() - state.arrival_time)
+        self._success.labels(self.model_name, str(state.engine_index), state.finish_reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -142,25 +155,30 @@ class StatsLogger:
         self.last_time = time.monotonic()
         self.last_prompt = list(metrics.num_prompt_tokens)
         self.last_generation = list(metrics.num_generation_tokens)
-        self.was_idle: dict[int, bool] = {}
+        self.was_idle: dict[str, bool] = {}
 
     def log(self) -> None:
+        """One line per engine, and with several engines one for all of them together."""
         now = time.monotonic()
         elapsed = max(now - self.last_time, 1e-9)
         m = self.metrics
-        for engine, s in sorted(self.stats().items()):
-            prompt = (m.num_prompt_tokens[engine] - self.last_prompt[engine]) / elapsed
-            generation = (m.num_generation_tokens[engine] - self.last_generation[engine]) / elapsed
+        lines = [(f"Engine {engine:03d}", s, m.num_prompt_tokens[engine] - self.last_prompt[engine],
+                  m.num_generation_tokens[engine] - self.last_generation[engine])
+                 for engine, s in sorted(self.stats().items())]
+        if len(lines) > 1:
+            lines.append(("All engines", sum_stats([line[1] for line in lines]),
+                          sum(line[2] for line in lines), sum(line[3] for line in lines)))
+        for name, s, prompt, generation in lines:
             idle = not (prompt or generation or s.num_running_reqs or s.num_waiting_reqs)
-            if idle and self.was_idle.get(engine):
+            if idle and self.was_idle.get(name):
                 continue
-            self.was_idle[engine] = idle
+            self.was_idle[name] = idle
             hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0
             logger.info(
-                "Engine %03d: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: "
+                "%s: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: "
                 "%.1f tokens/s, Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
-                "Prefix cache hit rate: %.1f%%", engine, prompt, generation, s.num_running_reqs,
-                s.num_waiting_reqs, 100 * s.kv_cache_usage, 100 * hit_rate)
+                "Prefix cache hit rate: %.1f%%", name, prompt / elapsed, generation / elapsed,
+                s.num_running_reqs, s.num_waiting_reqs, 100 * s.kv_cache_usage, 100 * hit_rate)
         self.last_time = now
         self.last_prompt = list(m.num_prompt_tokens)
         self.last_generation = list(m.num_generation_tokens)

@@ -130,6 +130,19 @@ class OpenAIServing:
                 f"{params.max_tokens} in the completion). Please reduce the length of the prompt "
                 "or completion.", 400, param)
 
+    def _data_parallel_rank(self, header: str | None) -> int | None:
+        if header is None:
+            return None
+        num_engines = self.client.num_engines
+        try:
+            rank = int(header)
+        except ValueError:
+            rank = -1
+        if not 0 <= rank < num_engines:
+            raise OpenAIError(f"X-data-parallel-rank must be an engine rank in [0, {num_engines}), "
+                              f"got {header!r}", 400, "X-data-parallel-rank")
+        return rank
+
     # ----------------------------------------------------------------------------- prompts
 
     def _encode(self, text: str) -> list[int]:
@@ -156,7 +169,7 @@ class OpenAIServing:
                 for p in prompt]
 
     def _make_choices(self, response_id: str, prompts: list[Prompt], params: SamplingParams,
-                      request: SamplingRequest, param: str) -> list[Choice]:
+                      request: SamplingRequest, param: str, rank: int | None) -> list[Choice]:
         """Check every prompt, then make n choices per prompt. Nothing reaches the engine until
         the choices are iterated."""
         for prompt in prompts:
@@ -169,7 +182,8 @@ class OpenAIServing:
                     params, seed=params.seed + j)
                 request_id = f"{response_id}-{len(choices)}"
                 outputs = self.client.generate(prompt.text, prompt.token_ids, p, request_id,
-                                               priority=request.priority)
+                                               priority=request.priority,
+                                               data_parallel_rank=rank)
                 choices.append(Choice(len(choices), request_id, prompt, outputs))
         return choices
 
@@ -267,13 +281,15 @@ class OpenAIServing:
 
     # ---------------------------------------------------------------------- completions
 
-    async def create_completion(self, request: CompletionRequest):
-        """A CompletionResponse, or for stream=True an async iterator of SSE bytes."""
+    async def create_completion(self, request: CompletionRequest, rank_header: str | None = None):
+        """A CompletionResponse, or for stream=True an async iterator of SSE bytes. rank_header:
+        the X-data-parallel-rank header, the engine to run on."""
         self._check_request(request)
+        rank = self._data_parallel_rank(rank_header)
         prompts = self._completion_prompts(request.prompt)
         params = request.to_sampling_params(request.max_tokens)
         response_id = f"cmpl-{random_uuid()}"
-        choices = self._make_choices(response_id, prompts, params, request, "prompt")
+        choices = self._make_choices(response_id, prompts, params, request, "prompt", rank)
         model = request.model or self.model_names[0]
         if request.stream:
             return self._completion_stream(request, response_id, model, choices)
@@ -305,14 +321,16 @@ class OpenAIServing:
 
     # ----------------------------------------------------------------- chat completions
 
-    async def create_chat_completion(self, request: ChatCompletionRequest):
+    async def create_chat_completion(self, request: ChatCompletionRequest,
+                                     rank_header: str | None = None):
         """A ChatCompletionResponse, or for stream=True an async iterator of SSE bytes."""
         self._check_request(request)
+        rank = self._data_parallel_rank(rank_header)
         text = self._apply_chat_template(request.messages, request.add_generation_prompt)
         params = request.to_sampling_params(request.requested_max_tokens)
         response_id = f"chatcmpl-{random_uuid()}"
         choices = self._make_choices(response_id, [Prompt(text, self._encode(text))], params,
-                                     request, "messages")
+                                     request, "messages", rank)
         model = request.model or self.model_names[0]
         if request.stream:
             return self._chat_stream(request, response_id, model, choices)

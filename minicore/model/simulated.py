@@ -14,6 +14,9 @@ ModelRunnerOutput, execute_dummy_batch().
 - Cost: each step sleeps config.model_config.simulated_cost (SimulatedCost): step_s, plus
   prefill_token_s per prefill token, plus decode_seq_s per decoding request (a request scheduled
   for exactly its one newest token). All default to 0.
+- Data parallel: ranks run in lockstep, as an MoE model's all-to-alls make them: every forward
+  (dummy ones too) all-reduces its step time (MAX) over the DP group and takes the slowest rank's.
+  An empty schedule runs no forward, as in ModelRunner.
 - KV cache: cache_config.num_blocks if set, else kv_cache_memory over a nominal per-token size
   (SmolLM2-135M's K and V in float32); the blocks are only counted, never allocated.
 Left out: sampling parameters (temperature, seeds, top-k/p do not change the made-up tokens).
@@ -25,7 +28,7 @@ import time
 from pathlib import Path
 
 from minicore.config import EngineConfig
-from minicore.outputs import ModelRunnerOutput
+from minicore.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from minicore.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -71,6 +74,7 @@ class SimulatedModelRunner:
         # Each request's known tokens (prompt + sampled) and how many the model has "computed".
         self.requests: dict[str, tuple[list[int], int]] = {}
         self.num_blocks = self._determine_num_blocks()
+        self.lockstep = config.parallel_config.data_parallel_size > 1
         logger.warning("SIMULATED model runner: no model runs, tokens are made up (vocab %d), "
                        "cost %s; KV cache: %d blocks of %d tokens", self.vocab_size, self.cost,
                        self.num_blocks, self.block_size)
@@ -92,6 +96,8 @@ class SimulatedModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         start_time = time.perf_counter()
         self._update_states(so)
+        if not so.num_scheduled_tokens:
+            return EMPTY_MODEL_RUNNER_OUTPUT
         req_ids = list(so.num_scheduled_tokens)
         sampled: list[list[int]] = []
         num_prefill_tokens = num_decodes = 0
@@ -109,16 +115,23 @@ class SimulatedModelRunner:
             else:
                 sampled.append([])
         cost = self.cost
-        self._sleep_until(start_time + cost.step_s + cost.prefill_token_s * num_prefill_tokens
-                          + cost.decode_seq_s * num_decodes)
+        self._run_for(start_time, cost.step_s + cost.prefill_token_s * num_prefill_tokens
+                      + cost.decode_seq_s * num_decodes)
         return ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled)
 
     def execute_dummy_batch(self) -> None:
         """What a DP rank with nothing to do runs: one decode's worth of time."""
-        self._sleep_until(time.perf_counter() + self.cost.step_s + self.cost.decode_seq_s)
+        self._run_for(time.perf_counter(), self.cost.step_s + self.cost.decode_seq_s)
 
-    @staticmethod
-    def _sleep_until(deadline: float) -> None:
-        remaining = deadline - time.perf_counter()
+    def _run_for(self, start_time: float, seconds: float) -> None:
+        """Sleep until start_time + seconds, or in lockstep DP the slowest rank's seconds."""
+        if self.lockstep:
+            import torch
+            import torch.distributed as dist
+
+            step_time = torch.tensor([seconds], dtype=torch.float64)
+            dist.all_reduce(step_time, op=dist.ReduceOp.MAX)
+            seconds = step_time.item()
+        remaining = start_time + seconds - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)

@@ -33,7 +33,7 @@ async def running_client(config):
         yield client
     finally:
         await client.shutdown()
-        assert client.proc.exitcode is not None
+        assert client.procs[0].exitcode is not None
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -65,7 +65,7 @@ async def test_startup(client):
     assert client.config.cache_config.num_blocks == 400
     assert client.is_healthy and not client.errored
     assert client.model_name == "SmolLM2-135M-Instruct"
-    assert client.proc.is_alive()
+    assert client.procs[0].is_alive()
     assert await client.call_utility("ping") == "pong"
 
 
@@ -229,7 +229,7 @@ async def test_killed_engine_fails_in_flight_requests_fast():
             while sum(bool(s.token_ids) for s in client.states.values()) < 8:
                 await asyncio.sleep(0.005)
             start = time.monotonic()
-            os.kill(client.proc.pid, signal.SIGKILL)
+            os.kill(client.procs[0].pid, signal.SIGKILL)
             results = await asyncio.gather(*tasks, return_exceptions=True)
             elapsed = time.monotonic() - start
         assert all(isinstance(r, EngineDeadError) for r in results), results
@@ -247,11 +247,11 @@ async def test_sigterm_to_the_engine_exits_cleanly_and_fails_in_flight():
         async with asyncio.timeout(20):
             stream = client.generate(None, [3, 4], SamplingParams(max_tokens=450), "t")
             await anext(stream)
-            os.kill(client.proc.pid, signal.SIGTERM)
+            os.kill(client.procs[0].pid, signal.SIGTERM)
             with pytest.raises(EngineDeadError, match="exited with code 0"):
                 async for _ in stream:
                     pass
-        assert client.proc.exitcode == 0
+        assert client.procs[0].exitcode == 0
         assert not client.is_healthy
 
 
@@ -270,7 +270,7 @@ async def test_shutdown_stops_the_engine_and_fails_in_flight():
         start = time.monotonic()
         await client.shutdown()
         assert time.monotonic() - start < 5
-        assert client.proc.exitcode == 0
+        assert client.procs[0].exitcode == 0
         with pytest.raises(EngineDeadError, match="shut down"):
             await anext(stream)
         await client.shutdown()  # idempotent

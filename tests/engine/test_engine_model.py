@@ -32,7 +32,7 @@ async def test_greedy_tokens_equal_offline_llm(hf_model_and_tokenizer):
             streams = await asyncio.gather(*(run(i, p) for i, p in enumerate(PROMPTS)))
     finally:
         await client.shutdown()
-    assert client.proc.exitcode == 0
+    assert client.procs[0].exitcode == 0
     for outputs, offline in zip(streams, expected, strict=True):
         final = outputs[-1]
         assert final.finished and final.prompt == offline.prompt

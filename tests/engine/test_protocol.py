@@ -50,7 +50,7 @@ def test_outputs_round_trip_keeps_every_field():
                  EngineCoreOutput("c", [], FinishReason.ABORT)],
         scheduler_stats=SchedulerStats(3, 1, 0.25, 10, 4, 1), timestamp=123.25,
         utility_output=UtilityOutput(9, {"num_running_reqs": 0, "request_ids": ["x"]}),
-        finished_requests={"b", "c"}, wave_complete=4, start_wave=5)
+        num_received_requests=7, wave_complete=4, start_wave=5)
     decoded = round_trip(outputs, EngineCoreOutputs)
     assert decoded == outputs
     assert decoded.outputs[1].finish_reason is FinishReason.STOP
