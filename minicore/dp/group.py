@@ -34,8 +34,9 @@ class DPGroup:
                                f"not come together within {timeout_s:g} s: {e}") from e
         # A daemon thread: a collective stuck on a hung peer must not hold up the process's exit.
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._serve_calls, name=f"DP{rank}-collectives",
-                         daemon=True).start()
+        self._thread = threading.Thread(target=self._serve_calls, name=f"DP{rank}-collectives",
+                                        daemon=True)
+        self._thread.start()
 
     def check_same_config(self, values: dict[str, int]) -> None:
         """All-gather settings that change which collectives a rank issues; a RuntimeError names
@@ -79,6 +80,7 @@ class DPGroup:
 
     def destroy(self) -> None:
         self._calls.put(None)
+        self._thread.join(timeout=1.0)
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -106,6 +106,7 @@ class _State:
     arrival_time: float
     first_token_time: float
     finish_reason: str | None = None
+    engine_index: int = 0
 
 
 def _state(prompt_len=3, arrival=100.0) -> _State:
@@ -198,7 +199,8 @@ class ScriptedClient:
         self.aborted: list[str] = []
         self._abort_events: dict[str, asyncio.Event] = {}
 
-    async def generate(self, prompt, prompt_token_ids, params, request_id, *, priority=0):
+    async def generate(self, prompt, prompt_token_ids, params, request_id, *, priority=0,
+                       data_parallel_rank=None):
         self.started.append(request_id)
         aborted = self._abort_events[request_id] = asyncio.Event()
         text, ids, finished = "", [], False
