@@ -2,7 +2,8 @@
 
 Mirrors vllm/entrypoints/llm.py (LLM.generate, LLM.chat) with the output side of
 vllm/v1/engine/output_processor.py (detokenizing, stop strings). Left out: beam search, pooling,
-LoRA, multimodal prompts, n > 1 and logprobs.
+LoRA, multimodal prompts, n > 1, logprobs, and data parallelism (one engine in this process; DP
+runs through `python -m minicore serve --data-parallel-size N` or AsyncEngineClient).
 """
 
 import itertools
@@ -31,6 +32,9 @@ class LLM:
         if loaded and tokenizer is None:
             raise ValueError("a loaded model needs its tokenizer: LLM(model, tokenizer=...)")
         self.config = create_engine_config(model=None if loaded else model, **engine_args)
+        if self.config.parallel_config.data_parallel_size > 1:
+            raise ValueError("LLM runs one in-process engine: data_parallel_size must be 1 (serve "
+                             "with --data-parallel-size N, or use AsyncEngineClient, for DP)")
         self.llm_engine = EngineCore(self.config, model if loaded else None, tokenizer)
         self.tokenizer = self.llm_engine.model_runner.tokenizer
         self._request_counter = itertools.count()

@@ -46,6 +46,8 @@ def run_headless(config: EngineConfig) -> None:
         sentinels = {proc.sentinel: rank for rank, proc in procs.items()}
         ready = multiprocessing.connection.wait(list(sentinels))
         rank = sentinels[ready[0]]
+        # The sentinel is ready as the process exits, a moment before it can be reaped.
+        procs[rank].join(STOP_TIMEOUT_S)
         exitcode = 0 if procs[rank].exitcode == 0 else 1
         logger.info("headless: DP rank %d exited with code %s; stopping the others.", rank,
                     procs[rank].exitcode)

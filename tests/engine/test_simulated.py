@@ -95,6 +95,15 @@ def test_zero_cost_returns_at_once():
     assert time.perf_counter() - start < 0.05
 
 
+def test_an_empty_schedule_runs_no_forward():
+    # A DP rank whose batch is empty (say, held back by the balance gate) runs a dummy batch
+    # instead: an empty forward that also took the step time would be two forwards in one step.
+    engine = make_engine(simulated_cost=SimulatedCost(step_s=5.0))
+    start = time.perf_counter()
+    output = engine.model_runner.execute_model(engine.scheduler.schedule())
+    assert output.req_ids == [] and time.perf_counter() - start < 2.0
+
+
 def test_kv_blocks_from_memory_or_explicit():
     engine = make_engine(max_model_len=256, kv_cache_memory=100 * NOMINAL_KV_BYTES_PER_TOKEN * 16)
     assert engine.config.cache_config.num_blocks == 100

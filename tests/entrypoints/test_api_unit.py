@@ -175,6 +175,38 @@ def test_stats_log_line_reports_throughput_and_is_quiet_when_idle(caplog, monkey
     assert len(lines) == 2 and "Running: 0 reqs" in lines[1]
 
 
+def test_metrics_and_stats_line_report_each_engine_and_all_together(caplog, monkeypatch):
+    monkeypatch.setattr("time.monotonic", lambda: 10.0)
+    stats = {0: SchedulerStats(num_running_reqs=3, num_waiting_reqs=1, kv_cache_usage=0.5,
+                               prefix_cache_queries=10, prefix_cache_hits=5),
+             1: SchedulerStats(num_running_reqs=1, kv_cache_usage=0.25, prefix_cache_queries=30)}
+    metrics = ServerMetrics(MODEL, 2, lambda: stats)
+    stats_logger = StatsLogger(metrics, lambda: stats)
+    state = _state(prompt_len=7)
+    state.engine_index = 1
+    metrics.on_new_tokens(state, 1, None)
+    state.finish_reason = "stop"
+    metrics.on_request_finished(state)
+    text = metrics.render().decode()
+    assert _sample(text, "minicore:num_requests_running", model_name=MODEL, engine="0") == 3
+    assert _sample(text, "minicore:num_requests_running", model_name=MODEL, engine="all") == 4
+    assert _sample(text, "minicore:num_requests_waiting", model_name=MODEL, engine="all") == 1
+    assert _sample(text, "minicore:kv_cache_usage_perc", model_name=MODEL, engine="all") == 0.375
+    assert _sample(text, "minicore:prefix_cache_queries_total", model_name=MODEL,
+                   engine="all") == 40
+    # Request observations go to the engine that ran the request.
+    assert _sample(text, "minicore:prompt_tokens_total", model_name=MODEL, engine="1") == 7
+    assert _sample(text, "minicore:prompt_tokens_total", model_name=MODEL, engine="0") == 0
+    assert _sample(text, "minicore:request_success_total", model_name=MODEL, engine="1",
+                   finished_reason="stop") == 1
+    with caplog.at_level(logging.INFO, logger="minicore.stats"):
+        stats_logger.log()
+    lines = [r.getMessage() for r in caplog.records]
+    assert [line.split(":")[0] for line in lines] == ["Engine 000", "Engine 001", "All engines"]
+    assert "Running: 4 reqs, Waiting: 1 reqs, KV cache usage: 37.5%" in lines[2]
+    assert "Prefix cache hit rate: 12.5%" in lines[2]
+
+
 # ------------------------------------------------------- the app on a scripted client
 
 

@@ -142,3 +142,8 @@ def test_generate_command_reports_a_bad_argument():
         [sys.executable, "-m", "minicore", "generate", "hi", "--temperature", "-1"],
         capture_output=True, text=True, timeout=300)
     assert result.returncode != 0 and "temperature" in result.stderr
+
+
+def test_data_parallelism_is_refused_before_any_model_loads():
+    with pytest.raises(ValueError, match="data_parallel_size must be 1"):
+        LLM(data_parallel_size=2)
