@@ -1,4 +1,4 @@
-"""Headless DP ranks: engine processes on a machine without a frontend, serving a frontend elsewhere.
+"""Headless DP ranks: engine processes on a machine without a frontend, for a frontend elsewhere.
 
 Mirrors `vllm serve --headless` (run_headless in vllm/entrypoints/cli/serve.py with
 CoreEngineProcManager from vllm/v1/engine/utils.py): start this machine's ranks (from

@@ -128,8 +128,8 @@ class AsyncEngineClient:
                      model_name: str | None = None) -> "AsyncEngineClient":
         """Resolve the model (a GGUF is converted once to a cached safetensors directory, so the
         frontend and the engines read the same files), load the tokenizer, start the engines and
-        wait for every one (local or not) to be READY. Sets config.model_config.model to the resolved directory and
-        config.cache_config.num_blocks to the engine's KV blocks."""
+        wait for every one (local or not) to be READY. Sets config.model_config.model to the
+        resolved directory and config.cache_config.num_blocks to the smallest engine's KV blocks."""
         name = model_name or config.model_config.model or DEFAULT_MODEL_NAME
         model_dir = await asyncio.to_thread(resolve_model_dir, config.model_config.model)
         config.model_config.model = str(model_dir)
@@ -196,10 +196,11 @@ class AsyncEngineClient:
                          deadline: float) -> dict[int, int]:
         """HELLO, then READY, from every engine, in any order: answer each HELLO with the
         addresses to connect to. Returns each engine's number of KV blocks."""
-        waiting_hello, num_blocks = set(range(self.num_engines)), {}
+        engines = set(range(self.num_engines))
+        waiting_hello, num_blocks = set(engines), {}
         while len(num_blocks) < self.num_engines:
-            what = ("HELLO from engine(s) " + str(sorted(waiting_hello)) if waiting_hello else
-                    "READY from engine(s) " + str(sorted(set(range(self.num_engines)) - set(num_blocks))))
+            what = (f"HELLO from engine(s) {sorted(waiting_hello)}" if waiting_hello
+                    else f"READY from engine(s) {sorted(engines - set(num_blocks))}")
             identity, frame = await self._startup_wait(handshake.recv_multipart(), deadline, what)
             message, index = msgspec.msgpack.decode(frame), int.from_bytes(identity, "little")
             status = message.get("status") if isinstance(message, dict) else None
@@ -447,8 +448,8 @@ class AsyncEngineClient:
     # ---- shutdown ------------------------------------------------------------------------------
 
     async def shutdown(self) -> None:
-        """Stop the local engines (SIGTERM, then SIGKILL after a timeout), fail what is still in flight,
-        close the sockets. Safe to call more than once."""
+        """Stop the local engines (SIGTERM, then SIGKILL after a timeout), fail what is still in
+        flight, close the sockets. Safe to call more than once."""
         if self._shutting_down:
             return
         self._shutting_down = True

@@ -82,3 +82,35 @@ def test_a_missing_rank_is_a_clear_error_not_a_hang():
             proc.kill()
     assert f"DP rank 0 of 2: the group at tcp://127.0.0.1:{port} did not come together" in message
     assert elapsed < 30
+
+
+def _rank_with_settings(rank: int, port: int, settings: dict[str, int], results) -> None:
+    group = DPGroup(rank, 2, "127.0.0.1", port, timeout_s=30)
+    try:
+        group.check_same_config(settings)
+        results.put((rank, "agreed"))
+    except RuntimeError as e:
+        results.put((rank, str(e)))
+    group.destroy()
+
+
+def test_ranks_that_disagree_on_a_setting_fail_naming_it():
+    # Ranks that disagree on balance scheduling would issue different collectives: a hang.
+    ctx = multiprocessing.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    settings = [{"--runner simulated": 1, "--balance-scheduling": 1},
+                {"--runner simulated": 1, "--balance-scheduling": 0}]
+    procs = [ctx.Process(target=_rank_with_settings, args=(r, port, settings[r], results))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = sorted(results.get(timeout=60) for _ in range(2))
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    expected = "DP ranks disagree on --balance-scheduling: [1, 0] (by rank)"
+    assert [rank for rank, _ in got] == [0, 1]
+    assert all(message.startswith(expected) for _, message in got), got
