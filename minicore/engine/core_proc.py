@@ -15,7 +15,8 @@ Startup handshake (the frontend binds, the engine connects):
   model), then: engine -> frontend  READY {"status": "READY", "num_gpu_blocks": KV blocks}
 
 Data parallelism (waves, collectives) is DPEngineCoreProc's, in minicore/dp/engine.py. Left out:
-several frontends per engine, the batch queue for pipeline parallelism, KV connectors, structured output, request preprocessing caches.
+several frontends per engine, the batch queue for pipeline parallelism, KV connectors, structured
+output, request preprocessing caches.
 """
 
 import asyncio
@@ -347,13 +348,13 @@ class EngineCoreProc(EngineCore):
         except (TimeoutError, zmq.ZMQError, asyncio.CancelledError):
             logger.critical("EngineCore %d could not send ENGINE_CORE_DEAD.", self.engine_index)
 
-    def _send(self, outputs: list[EngineCoreOutput] = (), **fields) -> None:
+    def _send(self, outputs: list[EngineCoreOutput] | None = None, **fields) -> None:
         """Queue outputs (and other EngineCoreOutputs fields) for the frontend, always with the
         current stats: every frame tells the frontend the state the engine was in when it made
         it, and the frontend balances load on those counts."""
         stats = self._last_stats = self.scheduler.make_stats()
         self.output_queue.put_nowait(EngineCoreOutputs(
-            self.engine_index, list(outputs), stats, time.monotonic(),
+            self.engine_index, outputs or [], stats, time.monotonic(),
             num_received_requests=self.num_received_requests, **fields))
 
     def _publish_stats_if_changed(self) -> None:
