@@ -173,7 +173,10 @@ async def benchmark(args) -> None:
     url = base + args.endpoint
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    connector = aiohttp.TCPConnector(limit=0)  # no cap: --max-concurrency is the only limit
+    # No cap: --max-concurrency is the only limit. Idle connections close well before the
+    # server's keep-alive timeout (uvicorn's 5 s), or one the server has just closed (say, while
+    # the tokenizer loads on a busy machine) is reused and fails with ServerDisconnectedError.
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=1)
     async with aiohttp.ClientSession(connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=None)) as client:
         async with client.get(base + "/v1/models", headers=headers) as response:
