@@ -1,6 +1,7 @@
 """The DP group with real processes and real gloo collectives: the unfinished-requests all-reduce,
-the balance gather into BalanceScheduler.balance_counts (both awaited from an event loop), and a
-clear error when a rank never arrives. Every wait is bounded."""
+the balance gather into BalanceScheduler.balance_counts (both awaited from an event loop), a clear
+error when a rank never arrives (in the group, and at the frontend), and one when ranks disagree on
+a setting that changes their collectives. Every wait is bounded."""
 
 import asyncio
 import multiprocessing
@@ -8,9 +9,11 @@ import socket
 import time
 
 import pytest
+from dp_helpers import free_port_pair
 
-from minicore.config import CacheConfig, SchedulerConfig
+from minicore.config import CacheConfig, SchedulerConfig, create_engine_config
 from minicore.dp.group import DPGroup
+from minicore.engine.client import AsyncEngineClient
 from minicore.request import Request
 from minicore.sampling_params import SamplingParams
 from minicore.scheduler import BalanceScheduler
@@ -114,3 +117,13 @@ def test_ranks_that_disagree_on_a_setting_fail_naming_it():
     expected = "DP ranks disagree on --balance-scheduling: [1, 0] (by rank)"
     assert [rank for rank, _ in got] == [0, 1]
     assert all(message.startswith(expected) for _, message in got), got
+
+
+async def test_a_frontend_waiting_for_a_rank_that_never_starts_says_which_and_how():
+    # Rank 1 is another machine's (--data-parallel-size-local 1) and is never started.
+    config = create_engine_config(runner="simulated", data_parallel_size=2,
+                                  data_parallel_size_local=1,
+                                  data_parallel_rpc_port=free_port_pair())
+    with pytest.raises(TimeoutError, match=r"HELLO from engine\(s\) \[1\].*ranks \[1\] are not "
+                                           r"started here: start them with --headless"):
+        await AsyncEngineClient.create(config, startup_timeout=3)
