@@ -100,9 +100,10 @@ class DPEngineCoreProc(EngineCoreProc):
             if self.shutdown_requested:
                 return
             executed = await self._process_engine_step()
-            self._publish_stats_if_changed()
             local_unfinished_reqs = self.scheduler.has_unfinished_requests()
             if not executed:
+                # A step that ran sent its stats; one skipped may leave inputs' changes unsent.
+                self._publish_stats_if_changed()
                 if not local_unfinished_reqs and not self.engines_running:
                     continue  # every rank is idle
                 # The wave is running: keep in step with the peers that have work.

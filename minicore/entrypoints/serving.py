@@ -169,9 +169,11 @@ class OpenAIServing:
                 for p in prompt]
 
     def _make_choices(self, response_id: str, prompts: list[Prompt], params: SamplingParams,
-                      request: SamplingRequest, param: str, rank: int | None) -> list[Choice]:
-        """Check every prompt, then make n choices per prompt. Nothing reaches the engine until
-        the choices are iterated."""
+                      request: SamplingRequest, param: str,
+                      rank_header: str | None) -> list[Choice]:
+        """Check every prompt and the X-data-parallel-rank header, then make n choices per
+        prompt. Nothing reaches the engine until the choices are iterated."""
+        rank = self._data_parallel_rank(rank_header)
         for prompt in prompts:
             self._check_prompt(prompt, params, param)
         choices = []
@@ -285,11 +287,10 @@ class OpenAIServing:
         """A CompletionResponse, or for stream=True an async iterator of SSE bytes. rank_header:
         the X-data-parallel-rank header, the engine to run on."""
         self._check_request(request)
-        rank = self._data_parallel_rank(rank_header)
         prompts = self._completion_prompts(request.prompt)
         params = request.to_sampling_params(request.max_tokens)
         response_id = f"cmpl-{random_uuid()}"
-        choices = self._make_choices(response_id, prompts, params, request, "prompt", rank)
+        choices = self._make_choices(response_id, prompts, params, request, "prompt", rank_header)
         model = request.model or self.model_names[0]
         if request.stream:
             return self._completion_stream(request, response_id, model, choices)
@@ -325,12 +326,11 @@ class OpenAIServing:
                                      rank_header: str | None = None):
         """A ChatCompletionResponse, or for stream=True an async iterator of SSE bytes."""
         self._check_request(request)
-        rank = self._data_parallel_rank(rank_header)
         text = self._apply_chat_template(request.messages, request.add_generation_prompt)
         params = request.to_sampling_params(request.requested_max_tokens)
         response_id = f"chatcmpl-{random_uuid()}"
         choices = self._make_choices(response_id, [Prompt(text, self._encode(text))], params,
-                                     request, "messages", rank)
+                                     request, "messages", rank_header)
         model = request.model or self.model_names[0]
         if request.stream:
             return self._chat_stream(request, response_id, model, choices)
