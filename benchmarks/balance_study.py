@@ -2,7 +2,7 @@
 by side in one run, in the seed's columns (vllm-ascend PR #5212: DeepSeek-V3.1, 3.5K in / 1.5K out,
 512 requests, batch 128; balance gave +18% output throughput, -19% TPOT, +6% TTFT).
 
-Each variant starts its own AsyncEngineClient (in-process frontend, real engine processes, a real
+Each variant starts its own AsyncLLM (in-process frontend, real engine processes, a real
 gloo DP group on a free port pair) and runs the same workload: fixed input length, distinct random
 prompt ids per request (seeded; prefix caching off, so every prefill is paid), EOS ignored, fixed
 output length unless --output-range-ratio spreads it. The default client is a closed loop whose
@@ -42,7 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minicore.config import SimulatedCost, create_engine_config
-from minicore.engine.client import AsyncEngineClient
+from minicore.engine.async_llm import AsyncLLM
 from minicore.sampling_params import SamplingParams
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -96,11 +96,11 @@ def make_workload(n: int, input_len: int, output_len: int, vocab: int,
             for _ in range(n)]
 
 
-async def one_request(client: AsyncEngineClient, request_id: str, prompt: list[int],
+async def one_request(client: AsyncLLM, request_id: str, prompt: list[int],
                       output_len: int, records: dict[str, Record]) -> None:
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
     record = records[request_id] = Record(send=time.monotonic())
-    async with contextlib.aclosing(client.generate(None, prompt, params, request_id)) as stream:
+    async with contextlib.aclosing(client.generate(prompt, params, request_id)) as stream:
         async for output in stream:
             now = time.monotonic()
             num = len(output.outputs[0].token_ids)
@@ -137,7 +137,7 @@ class LoadSampler:
     """Samples the engines' published running counts every `interval` s: how full the ranks are
     on average, and how often some rank is at or above a threshold (the balance gate's view)."""
 
-    def __init__(self, client: AsyncEngineClient, interval: float = 0.005):
+    def __init__(self, client: AsyncLLM, interval: float = 0.005):
         self.client, self.interval = client, interval
         self.samples: list[list[int]] = []
         self._task: asyncio.Task | None = None
@@ -212,7 +212,7 @@ async def run_variant(name: str, engine_args: dict, work, args, max_num_seqs: in
     port = free_port_pair()
     config = create_engine_config(**engine_args, data_parallel_rpc_port=port)
     t_start = time.monotonic()
-    client = await AsyncEngineClient.create(config, startup_timeout=300.0)
+    client = await AsyncLLM.from_engine_config(config, startup_timeout=300.0)
     try:
         startup_s = time.monotonic() - t_start
         # Warm-up: a first wave through every rank (gloo's first collectives, the model's
@@ -227,13 +227,13 @@ async def run_variant(name: str, engine_args: dict, work, args, max_num_seqs: in
             if state.engine_index == 0:
                 token_times.append(state.last_token_time)
 
-        client.on_new_tokens = on_new_tokens
+        client.output_processor.on_new_tokens = on_new_tokens
         with LoadSampler(client) as sampler:
             start = time.monotonic()
             records = await drive(client, work, args.client, args.concurrency, "req-",
                                   args.arrival_jitter_ms / 1000)
             end = time.monotonic()
-        client.on_new_tokens = None
+        client.output_processor.on_new_tokens = None
         for rid, record in records.items():
             record.engine = engine_of.get(rid, -1)
         result = summarize(records, len(work[0][0]), start, end)
@@ -275,18 +275,15 @@ def print_table(title: str, results: list[dict], extra: list[tuple[str, str, str
 
 
 def _gather_probe_rank(rank: int, size: int, port: int, calls: int, results) -> None:
-    from minicore.config import CacheConfig, SchedulerConfig
     from minicore.dp.group import DPGroup
-    from minicore.scheduler import BalanceScheduler
 
     group = DPGroup(rank, size, "127.0.0.1", port, timeout_s=60)
-    scheduler = BalanceScheduler(SchedulerConfig(), CacheConfig(num_blocks=16), dp_size=size)
 
     async def timed():
         times = []
         for _ in range(calls):
             t = time.perf_counter()
-            await group.balance_gather_async(scheduler)
+            await group.gather_running_counts(rank)
             times.append(time.perf_counter() - t)
         return times
 
@@ -296,7 +293,7 @@ def _gather_probe_rank(rank: int, size: int, port: int, calls: int, results) -> 
 
 
 def gather_cost_ms(size: int, calls: int = 200) -> dict:
-    """The balance gather's own cost on this machine: back-to-back DPGroup.balance_gather_async
+    """The balance gather's own cost on this machine: back-to-back DPGroup.gather_running_counts
     calls between `size` processes (what balance scheduling adds to every step; in the engines
     it cannot overlap the simulated step's sleep)."""
     ctx = multiprocessing.get_context("spawn")

@@ -2,7 +2,7 @@
 
 The engine is a real engine process (EngineCoreProc: sockets, busy loop, scheduler, forward in a
 worker thread) with the SIMULATED model runner at zero cost, so a step returns at once and what is
-measured is everything else: AsyncEngineClient (validation, msgpack, ZMQ ipc, detokenizing,
+measured is everything else: AsyncLLM (validation, msgpack, ZMQ ipc, detokenizing,
 per-request streams) and the engine's loop. The frontend runs on uvloop, as the server does.
 
 Scenarios:
@@ -42,7 +42,7 @@ import uvloop
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minicore.config import create_engine_config  # noqa: E402
-from minicore.engine.client import AsyncEngineClient  # noqa: E402
+from minicore.engine.async_llm import AsyncLLM  # noqa: E402
 from minicore.sampling_params import SamplingParams  # noqa: E402
 
 PROMPT_LEN = 8
@@ -58,14 +58,14 @@ def prompts(n: int, vocab_size: int, rng: random.Random) -> list[list[int]]:
     return [[rng.randrange(100, vocab_size) for _ in range(PROMPT_LEN)] for _ in range(n)]
 
 
-async def run_stream(client: AsyncEngineClient, prompt: list[int], max_tokens: int,
+async def run_stream(client: AsyncLLM, prompt: list[int], max_tokens: int,
                      request_id: str, intervals: list[float] | None = None) -> float:
     """Run one request to its end; return its latency. With intervals, record per-token
     intervals as the consumer saw them."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     start = last = time.perf_counter()
     num_tokens = 0
-    async for output in client.generate(None, prompt, params, request_id):
+    async for output in client.generate(prompt, params, request_id):
         now = time.perf_counter()
         new = len(output.outputs[0].token_ids) - num_tokens
         if intervals is not None and num_tokens and new:
@@ -124,7 +124,7 @@ async def bench_streams(client, num_streams: int, max_tokens: int, rng: random.R
 
 async def main_async(args) -> dict:
     config = create_engine_config(runner="simulated", max_num_seqs=256, max_model_len=4096)
-    client = await AsyncEngineClient.create(config)
+    client = await AsyncLLM.from_engine_config(config)
     rng = random.Random(0)
     try:
         # Warm up both processes (imports, first allocations) before timing.

@@ -2,30 +2,60 @@
 
 Mirrors vllm/config/ (SchedulerConfig, CacheConfig, ParallelConfig, ModelConfig, VllmConfig), keeping
 only the knobs minicore implements. Pure Python: the scheduler imports it without torch.
+
+Each user-facing field carries its --help text in its metadata, and add_engine_cli_args makes the
+command line's engine flags from the fields, so every default is written once, here. Fields set at
+run time get no flag:
+- cache_config.num_blocks: by EngineCore from its model runner, once the runner has sized the KV
+  cache (minicore/engine/core.py).
+- parallel_config.data_parallel_rank: by the engine process entry point for its own rank
+  (run_engine_core in minicore/engine/launch.py).
+- model_config.model has a flag, but the frontend (or run_headless) resolves a .gguf file to its
+  cached safetensors directory (minicore.model.loader.resolve_model_dir) before the engine
+  processes start, so that every process reads the same files.
 """
 
-from dataclasses import dataclass, field, fields
-from typing import Literal
+import argparse
+import json
+from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
+from types import NoneType, UnionType
+from typing import Any, Literal, get_args, get_origin
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 BalanceThreshold = Literal["seed", "full"]
 ModelRunnerKind = Literal["transformers", "simulated"]
 
 
+def _flag(default, help: str, **cli) -> Any:
+    """A field with a command-line flag. cli: flag= (its name, when not --field-name), aliases=
+    (short forms), group= (its --help group, when not its config's)."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
+# The metadata of a field set at run time (see the module docstring): no flag.
+_RUNTIME = {"cli": False}
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 2048
-    # A prefill longer than this is cut into chunks of this size (0: no cap beyond the budget).
-    long_prefill_token_threshold: int = 0
-    enable_chunked_prefill: bool = True
-    policy: SchedulingPolicy = "fcfs"
-    # Data parallel only: BalanceScheduler instead of Scheduler (vllm-ascend's balance scheduling).
-    balance_scheduling: bool = False
-    # BalanceScheduler's gate: "seed" stops admission when a rank has max_num_seqs - 1 running
-    # (vllm-ascend PR #5212), "full" when a rank is full (vllm-ascend's later fix).
-    balance_threshold: BalanceThreshold = "seed"
+    max_num_seqs: int = _flag(256, "most requests running at once")
+    max_num_batched_tokens: int = _flag(8192, "most tokens one step computes, over all requests")
+    max_model_len: int = _flag(2048, "most tokens of one request, prompt and output together")
+    long_prefill_token_threshold: int = _flag(
+        0, "cut a prefill longer than this into chunks of this size; 0: no cap beyond the step's "
+           "token budget")
+    enable_chunked_prefill: bool = _flag(
+        True, "split a prompt over steps when it does not fit one step's token budget")
+    policy: SchedulingPolicy = _flag(
+        "fcfs", "fcfs: arrival order; priority: the smallest request priority first, then arrival "
+                "order", flag="--scheduling-policy")
+    # BalanceScheduler instead of Scheduler. Listed with the data-parallel flags: it balances ranks.
+    balance_scheduling: bool = _flag(
+        False, "hold back admission on every rank while one is nearly full (vllm-ascend's "
+               "balance scheduling)", group="data parallel")
+    balance_threshold: BalanceThreshold = _flag(
+        "seed", "seed: gate at max_num_seqs - 1 running (vllm-ascend PR #5212, as merged); "
+                "full: at max_num_seqs (vllm-ascend's later fix)", group="data parallel")
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -46,14 +76,15 @@ class SchedulerConfig:
 
 @dataclass(slots=True)
 class CacheConfig:
-    block_size: int = 16
+    block_size: int = _flag(16, "tokens per KV cache block")
     # Set by the model runner from the memory it may use, before a Scheduler is built.
-    num_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    # KV cache size: on CPU a fixed number of bytes; on CUDA a fraction of the GPU's memory, what
-    # the profiling forward leaves over.
-    kv_cache_memory: int = 1 << 30
-    gpu_memory_utilization: float = 0.9
+    num_blocks: int | None = field(default=None, metadata=_RUNTIME)
+    enable_prefix_caching: bool = _flag(
+        True, "reuse the KV cache blocks of a prompt prefix computed before")
+    kv_cache_memory: int = _flag(1 << 30, "KV cache bytes on CPU")
+    gpu_memory_utilization: float = _flag(
+        0.9, "the fraction of the GPU's memory the engine may use on CUDA; the KV cache gets what "
+             "the profiling forward leaves over")
 
     def __post_init__(self):
         if self.kv_cache_memory < 1:
@@ -82,18 +113,19 @@ class SimulatedCost:
 
 @dataclass(slots=True)
 class ModelConfig:
-    # A safetensors directory or a .gguf file; None is the default SmolLM2-135M-Instruct.
-    model: str | None = None
-    # None: float32 on CPU, bfloat16 on CUDA.
-    dtype: str | None = None
-    # None: CUDA when available.
-    device: str | None = None
-    # Seeds the sampler of requests that bring no seed of their own.
-    seed: int = 0
-    # "simulated": no weights, made-up tokens after a modelled delay (minicore.model.simulated),
-    # for studying the IO path and scheduling policies. The tokenizer is still the model's.
-    runner: ModelRunnerKind = "transformers"
-    simulated_cost: SimulatedCost = field(default_factory=SimulatedCost)
+    model: str | None = _flag(
+        None, "safetensors directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    dtype: str | None = _flag(
+        None, "float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)")
+    device: str | None = _flag(None, "cpu, cuda or cuda:N (default: CUDA when available)")
+    seed: int = _flag(0, "seeds the sampler of requests that bring no seed of their own")
+    runner: ModelRunnerKind = _flag(
+        "transformers", "simulated: no weights, made-up tokens after a modelled delay "
+                        "(minicore.model.simulated, for studying the IO path and scheduling "
+                        "policies); the tokenizer is still the model's")
+    simulated_cost: SimulatedCost = field(default_factory=SimulatedCost, metadata={
+        "help": "the simulated runner's step time, e.g. "
+                '\'{"step_s": 0.01, "prefill_token_s": 1e-5, "decode_seq_s": 1e-4}\''})
 
     def __post_init__(self):
         if self.runner not in ("transformers", "simulated"):
@@ -102,17 +134,23 @@ class ModelConfig:
 
 @dataclass(slots=True)
 class ParallelConfig:
-    data_parallel_size: int = 1
-    # Each engine process sets its own rank.
-    data_parallel_rank: int = 0
-    # Ranks started on this machine (None: all of them), from data_parallel_start_rank on. A
-    # frontend's local ranks start at 0; ranks on other machines start headless.
-    data_parallel_size_local: int | None = None
-    data_parallel_start_rank: int = 0
-    # Where the frontend listens for the engines of every machine: the engines' handshake at
-    # rpc_port + 1, and the DP group's torch.distributed rendezvous (hosted by rank 0) at rpc_port.
-    data_parallel_address: str = "127.0.0.1"
-    data_parallel_rpc_port: int = 29550
+    data_parallel_size: int = _flag(
+        1, "number of engine replicas (DP ranks), on every machine together", aliases=("-dp",))
+    data_parallel_rank: int = field(default=0, metadata=_RUNTIME)
+    # A frontend's local ranks start at 0; ranks on other machines start headless.
+    data_parallel_size_local: int | None = _flag(
+        None, "DP ranks to start on this machine (default: all, from the start rank on)",
+        aliases=("-dpl",))
+    data_parallel_start_rank: int = _flag(
+        0, "the first DP rank started on this machine (with --headless)", aliases=("-dpr",))
+    data_parallel_address: str = _flag(
+        "127.0.0.1", "the frontend machine's address, which every rank connects to",
+        aliases=("-dpa",))
+    # Rank 0 hosts the torch.distributed rendezvous; the frontend listens for the engines of every
+    # machine on the port after it.
+    data_parallel_rpc_port: int = _flag(
+        29550, "the DP group's rendezvous port; the engines' handshake is on the next",
+        aliases=("-dpp",))
 
     def __post_init__(self):
         if self.data_parallel_size < 1:
@@ -151,16 +189,92 @@ class EngineConfig:
                              "data_parallel_size >= 2")
 
 
+# EngineConfig's sub-configs, with the titles of their flags' --help groups.
+_SUB_CONFIGS = (("model_config", ModelConfig, "model"),
+                ("scheduler_config", SchedulerConfig, "scheduler"),
+                ("cache_config", CacheConfig, "cache"),
+                ("parallel_config", ParallelConfig, "data parallel"))
+
+
 def create_engine_config(**kwargs) -> EngineConfig:
     """Build an EngineConfig from flat keyword arguments (vLLM's EngineArgs names), each routed to
     the sub-config that has a field of that name. scheduling_policy is vLLM's name for policy."""
     if "scheduling_policy" in kwargs:
         kwargs["policy"] = kwargs.pop("scheduling_policy")
     parts = {}
-    for name, cls in (("model_config", ModelConfig), ("scheduler_config", SchedulerConfig),
-                      ("cache_config", CacheConfig), ("parallel_config", ParallelConfig)):
+    for name, cls, _ in _SUB_CONFIGS:
         names = {f.name for f in fields(cls)}
         parts[name] = cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
     if kwargs:
         raise TypeError(f"unknown engine argument(s): {', '.join(sorted(kwargs))}")
     return EngineConfig(**parts)
+
+
+# ---- the command line ------------------------------------------------------------------------
+
+def add_engine_cli_args(parser: argparse.ArgumentParser,
+                        exclude: tuple[str, ...] = ()) -> dict[str, argparse._ArgumentGroup]:
+    """Add one flag per user-facing field of the sub-configs, grouped by sub-config, as
+    vllm/engine/arg_utils.py EngineArgs.add_cli_args does: type, choices and default from the
+    field, --help from its metadata. exclude: field names or group titles to leave out. Returns
+    the groups by title, for a command's own flags that belong in one."""
+    groups = {title: parser.add_argument_group(title)
+              for _, _, title in _SUB_CONFIGS if title not in exclude}
+    for f, title in _cli_fields(exclude):
+        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+        groups[title].add_argument(flag, *f.metadata.get("aliases", ()), **_flag_kwargs(f))
+    return groups
+
+
+def engine_kwargs_from_cli(args: argparse.Namespace, exclude: tuple[str, ...] = ()) -> dict:
+    """create_engine_config's keyword arguments from a namespace parsed with the flags of
+    add_engine_cli_args(parser, exclude) (vLLM: EngineArgs.from_cli_args)."""
+    return {f.name: getattr(args, f.name) for f, _ in _cli_fields(exclude)}
+
+
+def _cli_fields(exclude: tuple[str, ...]):
+    """(field, group title) of every field with a flag, less those excluded."""
+    for _, cls, title in _SUB_CONFIGS:
+        for f in fields(cls):
+            group = f.metadata.get("group", title)
+            if f.metadata.get("cli", True) and f.name not in exclude and group not in exclude:
+                yield f, group
+
+
+def _flag_kwargs(f: Field) -> dict:
+    """add_argument's keywords for a field, from its annotation and default."""
+    default = f.default_factory() if f.default is MISSING else f.default
+    kwargs = {"dest": f.name, "default": default, "help": f.metadata["help"]}
+    if default is not None and not is_dataclass(default):  # the help says what None stands for
+        kwargs["help"] += " (default: %(default)s)"
+    kind = f.type
+    if isinstance(kind, UnionType):  # X | None: None is a default, not a value to type in
+        kind = next(t for t in get_args(kind) if t is not NoneType)
+    if kind is bool:  # --flag and --no-flag, so that either overrides the default
+        return kwargs | {"action": argparse.BooleanOptionalAction}
+    if is_dataclass(kind):
+        return kwargs | {"type": _json_dataclass(kind), "metavar": "JSON"}
+    if get_origin(kind) is Literal:
+        return kwargs | {"choices": get_args(kind)}
+    return kwargs | {"type": kind}
+
+
+def _json_dataclass(cls: type):
+    """A flag type that reads a JSON object into cls, with the bad key or value named (vLLM
+    parses its config-valued flags from JSON too)."""
+    names = [f.name for f in fields(cls)]
+
+    def parse(text: str):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not JSON ({e}): {text}") from None
+        if not isinstance(value, dict) or not set(value) <= set(names):
+            raise argparse.ArgumentTypeError(
+                f"expected a JSON object with keys among {', '.join(names)}, got {text}")
+        try:
+            return cls(**value)
+        except (TypeError, ValueError) as e:  # TypeError: a value that is not a number
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse

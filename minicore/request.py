@@ -6,8 +6,12 @@ Left out: multimodal inputs, LoRA, structured output, speculative tokens, KV-tra
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from minicore.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the wire records import this module
+    from minicore.protocol import EngineCoreRequest
 
 
 class FinishReason(enum.IntEnum):
@@ -80,6 +84,12 @@ class Request:
         self.num_preemptions = 0
         # Chain hashes of this request's full blocks, filled in by the KV cache manager.
         self.block_hashes: list[bytes] = []
+
+    @classmethod
+    def from_engine_core_request(cls, request: "EngineCoreRequest") -> "Request":
+        return cls(request.request_id, request.prompt_token_ids, request.sampling_params,
+                   request.eos_token_id, request.arrival_time, request.priority,
+                   request.cache_salt)
 
     @property
     def num_output_tokens(self) -> int:

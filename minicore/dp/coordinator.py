@@ -4,8 +4,9 @@ Mirrors DPCoordinatorProc (vllm/v1/engine/coordinator.py: the engines' request c
 number, START_DP_WAVE) and the engine choice of DPLBAsyncMPClient (vllm/v1/engine/core_client.py).
 vLLM runs its coordinator as a process of its own because several API server processes share it;
 minicore has one frontend, so the coordinator is an object on the frontend's event loop that
-AsyncEngineClient consults as it sends requests and reads engine outputs. It never does IO: it
-returns the START_DP_WAVE (wave, engine to skip) for the client to broadcast.
+DPLBAsyncMPClient (minicore/engine/core_client.py) consults as it sends requests and reads engine
+outputs. It never does IO: it returns the START_DP_WAVE (wave, engine to skip) for the client to
+broadcast. The frontend's wave state lives here only; the engines' in DPEngineCoreProc.
 
 Load: an engine's score is 4 * waiting + running, from the counts in its newest output frame, plus
 the requests sent to it that the engine had not yet received when it made that frame (every frame

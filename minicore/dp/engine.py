@@ -1,23 +1,36 @@
 """DPEngineCoreProc: one data-parallel rank, an EngineCoreProc whose busy loop keeps step with its
 peers.
 
-Mirrors DPEngineCoreProc in vllm/v1/engine/core.py (seed 003) with the balance gather of
-vllm-ascend's BalanceDPEngineCoreProc.run_busy_loop (seed 000), as a coroutine. Each rank has its
-own scheduler, KV cache and model replica; the ranks agree through two collectives (minicore/dp/
-group.py): every 32 steps an all-reduce of "has unfinished requests", and with balance scheduling
-an all-gather of len(running) right after it on every active step. A rank with nothing to run while
-its peers still have work (the wave is running) runs a dummy batch, so that it keeps issuing the
-same collectives in the same order as they do: a rank that skipped one would hang them all.
+Mirrors DPEngineCoreProc in vllm/v1/engine/core.py with the balance gather of vllm-ascend's
+BalanceDPEngineCoreProc.run_busy_loop (PR #5212), as a coroutine. Each rank has its own scheduler,
+KV cache and model replica; ranks meet only in the collectives of minicore/dp/group.py.
+
+The rule that keeps ranks from hanging: every rank issues the same DP-group collectives in the
+same order, one at a time, all from this busy loop (each awaited before the next; none while a
+forward runs). One iteration of a running wave issues, in this order:
+  1. the forward or, with nothing scheduled, a dummy batch; with the simulated runner either one is
+     followed by max_step_time (its stand-in for an MoE model's all-to-alls);
+  2. every 32nd step of the wave: has_global_unfinished_reqs;
+  3. with balance scheduling: gather_running_counts, on every iteration, dummy ones included (a
+     gather inside schedule(), or before the idle check, deadlocks: a drained rank never
+     schedules).
+The dummy batch is why a rank with no work still runs iterations while the wave runs: it keeps the
+rank issuing 1-3 with its peers. For the dense transformers runner the dummy forward itself
+exchanges nothing (the replicas meet only at 2 and 3); for the simulated runner it also keeps the
+step-time all-reduce in step; for a mixture-of-experts model with its experts sharded over the
+ranks it would also join the forward's all-to-alls.
 
 Waves: the ranks run together from the first request after an idle period to the all-reduce that
 finds no unfinished request anywhere; then rank 0 reports wave_complete, every rank advances its
 wave number and idles. A request wakes the rank it reaches, and the frontend wakes the others with
 START_DP_WAVE (or the woken rank asks it to, when the request was sent for a wave that has ended).
+The engine side's wave state lives here; the frontend's in DPCoordinator (minicore/dp/coordinator.py).
 Left out: elastic scaling (reinitialize_distributed), Ray actors, external load balancers.
 """
 
 import asyncio
 import logging
+import time
 
 import zmq
 import zmq.asyncio
@@ -41,8 +54,9 @@ class DPEngineCoreProc(EngineCoreProc):
         self.current_wave = 0
         # True from a wave's first request (or START_DP_WAVE) to the sync that ends it.
         self.engines_running = False
-        self.dp_rank = config.parallel_config.data_parallel_rank
+        self.dp_rank = engine_index
         self.balance = config.scheduler_config.balance_scheduling
+        self.simulated = config.model_config.runner == "simulated"
         self.dp_group: DPGroup | None = None
         self._monitor: zmq.Socket | None = None
         super().__init__(config, handshake_address, engine_index, handshake_timeout)
@@ -53,7 +67,7 @@ class DPEngineCoreProc(EngineCoreProc):
                                 pc.data_parallel_rpc_port, timeout_s=HANDSHAKE_TIMEOUT_S)
         self.dp_group.check_same_config({
             "--balance-scheduling": int(self.balance),
-            "--runner simulated": int(config.model_config.runner == "simulated"),
+            "--runner simulated": int(self.simulated),
         })
 
     def close(self, fatal: bool) -> None:
@@ -94,7 +108,6 @@ class DPEngineCoreProc(EngineCoreProc):
             logger.info("DP rank %d: a collective failed while shutting down.", self.dp_rank)
 
     async def _run_dp_busy_loop(self) -> None:
-        """Seed 003's DPEngineCoreProc.run_busy_loop, with seed 000's balance gather."""
         while not self.shutdown_requested:
             await self._process_input_queue()
             if self.shutdown_requested:
@@ -106,19 +119,20 @@ class DPEngineCoreProc(EngineCoreProc):
                 self._publish_stats_if_changed()
                 if not local_unfinished_reqs and not self.engines_running:
                     continue  # every rank is idle
-                # The wave is running: keep in step with the peers that have work.
                 await self._run_forward(self.model_runner.execute_dummy_batch)
             self.engines_running = await self._has_global_unfinished_reqs(local_unfinished_reqs)
             if self.balance:
-                # Here, on every active step, dummy ones included; a gather inside schedule()
-                # would deadlock, as a drained rank does not schedule.
-                await self.dp_group.balance_gather_async(self.scheduler)
+                self.scheduler.balance_counts = await self.dp_group.gather_running_counts(
+                    len(self.scheduler.running))
             if not self.engines_running:
-                if self.dp_rank == 0:
-                    logger.debug("Wave %d finished, pausing engine loop.", self.current_wave)
-                    self._send(wave_complete=self.current_wave)
-                self.current_wave += 1
-                self.step_counter = 0
+                self._end_wave()
+
+    def _end_wave(self) -> None:
+        if self.dp_rank == 0:
+            logger.debug("Wave %d finished, pausing engine loop.", self.current_wave)
+            self._send(wave_complete=self.current_wave)
+        self.current_wave += 1
+        self.step_counter = 0
 
     async def _process_input_queue(self) -> None:
         """Wait while every rank is idle; then take all pending inputs."""
@@ -129,12 +143,23 @@ class DPEngineCoreProc(EngineCoreProc):
             self._handle_client_request(*await self.input_queue.get())
         self._drain_input_queue()
 
+    async def _run_forward(self, fn, *args):
+        """A forward (or dummy batch); the simulated runner's then waits, in lockstep, for the
+        slowest rank's step time. Only a forward that ran a batch reports a step time, so every
+        rank issues max_step_time exactly once per iteration of a running wave."""
+        output = await super()._run_forward(fn, *args)
+        if self.simulated and (step := self.model_runner.pop_step_time()) is not None:
+            start, seconds = step
+            seconds = await self.dp_group.max_step_time(seconds)
+            await super()._run_forward(time.sleep, max(0.0, start + seconds - time.perf_counter()))
+        return output
+
     async def _has_global_unfinished_reqs(self, local_unfinished: bool) -> bool:
         # vLLM's optimisation: only every 32nd step pays for the all-reduce.
         self.step_counter += 1
         if self.step_counter % STEPS_PER_SYNC != 0:
             return True
-        return await self.dp_group.has_global_unfinished_reqs_async(local_unfinished)
+        return await self.dp_group.has_global_unfinished_reqs(local_unfinished)
 
     # ---- inputs --------------------------------------------------------------------------------
 

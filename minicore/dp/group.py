@@ -1,13 +1,20 @@
-"""The data-parallel process group: torch.distributed over gloo, and the collectives of the DP loop.
+"""The data-parallel process group: torch.distributed over gloo, and every collective of the DP loop.
 
 Mirrors ParallelConfig.stateless_init_dp_group (vllm/config/parallel.py) and
-DPEngineCoreProc._has_global_unfinished_reqs (vllm/v1/engine/core.py, seed 003), plus the running
-count gather of vllm-ascend's balance scheduling (seed 000). gloo, so that it runs on CPU too; one
-group per engine process. The collectives block, so the event loop awaits them on one dedicated
-thread: socket IO keeps flowing, and the collectives still run one at a time in the order the busy
-loop issues them, which every rank must share. A peer that dies fails the pending collective within
-a second or so (gloo sees its sockets close); one that hangs fails it after timeout_s. Left out:
-NCCL groups, several groups per process.
+DPEngineCoreProc._has_global_unfinished_reqs (vllm/v1/engine/core.py), plus the running-count
+gather of vllm-ascend's balance scheduling (PR #5212). gloo, so that it runs on CPU too; one group
+per engine process. The collectives are the only way ranks talk during a wave:
+
+  has_global_unfinished_reqs  all-reduce (MAX) of "this rank has unfinished requests"
+  gather_running_counts       all-gather of len(running), for BalanceScheduler's gate
+  max_step_time               all-reduce (MAX) of a simulated step's time (the lockstep that a
+                              simulated model has no all-to-all for)
+
+Each is a coroutine: the blocking call runs on one dedicated thread while the event loop keeps
+socket IO flowing, and the busy loop awaits each before it issues the next, so every rank issues
+them one at a time, in its loop's order (minicore/dp/engine.py states that order). A peer that dies
+fails the pending collective within a second or so (gloo sees its sockets close); one that hangs
+fails it after timeout_s. Left out: NCCL groups, several groups per process.
 """
 
 import asyncio
@@ -17,8 +24,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
-from minicore.scheduler import BalanceScheduler
 
 
 class DPGroup:
@@ -39,29 +44,26 @@ class DPGroup:
         self._thread.start()
 
     def check_same_config(self, values: dict[str, int]) -> None:
-        """All-gather settings that change which collectives a rank issues; a RuntimeError names
-        the first that differs between ranks (a mismatch would otherwise be a hang)."""
-        mine = torch.tensor(list(values.values()), dtype=torch.int64)
-        gathered = [torch.zeros_like(mine) for _ in range(self.size)]
-        dist.all_gather(gathered, mine)
+        """At startup, before any loop runs: all-gather settings that change which collectives a
+        rank issues; a RuntimeError names the first that differs between ranks (a mismatch would
+        otherwise be a hang)."""
+        gathered = _all_gather(torch.tensor(list(values.values()), dtype=torch.int64), self.size)
         for i, name in enumerate(values):
             per_rank = [int(t[i]) for t in gathered]
             if len(set(per_rank)) > 1:
                 raise RuntimeError(f"DP ranks disagree on {name}: {per_rank} (by rank); start "
                                    "every rank with the same engine arguments")
 
-    def has_global_unfinished_reqs(self, local_unfinished: bool) -> bool:
-        """All-reduce (MAX) of "this rank has unfinished requests"."""
+    async def has_global_unfinished_reqs(self, local_unfinished: bool) -> bool:
         flag = torch.tensor([int(local_unfinished)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return bool(await self._run(_all_reduce_max, flag))
 
-    async def has_global_unfinished_reqs_async(self, local_unfinished: bool) -> bool:
-        return await self._run(self.has_global_unfinished_reqs, local_unfinished)
+    async def gather_running_counts(self, num_running: int) -> list[int]:
+        mine = torch.tensor([num_running], dtype=torch.int64)
+        return [int(t) for t in await self._run(_all_gather, mine, self.size)]
 
-    async def balance_gather_async(self, scheduler: BalanceScheduler) -> None:
-        """BalanceScheduler.balance_gather (all-gather of len(running)), off the event loop."""
-        await self._run(scheduler.balance_gather, dist.group.WORLD)
+    async def max_step_time(self, seconds: float) -> float:
+        return float(await self._run(_all_reduce_max, torch.tensor([seconds], dtype=torch.float64)))
 
     async def _run(self, fn, *args):
         loop = asyncio.get_running_loop()
@@ -83,6 +85,17 @@ class DPGroup:
         self._thread.join(timeout=1.0)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.item()
+
+
+def _all_gather(tensor: torch.Tensor, size: int) -> list[torch.Tensor]:
+    gathered = [torch.zeros_like(tensor) for _ in range(size)]
+    dist.all_gather(gathered, tensor)
+    return gathered
 
 
 def _settle(future: asyncio.Future, result, error: Exception | None) -> None:

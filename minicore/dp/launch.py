@@ -15,12 +15,9 @@ import signal
 import sys
 
 from minicore.config import EngineConfig
-from minicore.engine.core_proc import start_engine_processes
-from minicore.model.loader import resolve_model_dir
+from minicore.engine.launch import STOP_TIMEOUT_S, CoreEngineProcManager, resolve_model
 
 logger = logging.getLogger(__name__)
-
-STOP_TIMEOUT_S = 5.0
 
 
 def run_headless(config: EngineConfig) -> None:
@@ -30,11 +27,11 @@ def run_headless(config: EngineConfig) -> None:
         raise ValueError("--headless runs the ranks of another machine than the frontend's: "
                          "give it --data-parallel-start-rank > 0")
     # The frontend's machine converts a GGUF for its engines; this one does for its own.
-    config.model_config.model = str(resolve_model_dir(config.model_config.model))
+    config = resolve_model(config)
     handshake_address = f"tcp://{pc.data_parallel_address}:{pc.data_parallel_rpc_port + 1}"
     logger.info("headless: starting DP ranks %s of %d, frontend at %s",
                 list(pc.local_ranks), pc.data_parallel_size, handshake_address)
-    procs = start_engine_processes(config, handshake_address)
+    manager = CoreEngineProcManager(config, handshake_address)
 
     def stop(signum, frame):
         raise SystemExit(0)
@@ -43,25 +40,15 @@ def run_headless(config: EngineConfig) -> None:
     signal.signal(signal.SIGINT, stop)
     exitcode = 0
     try:
-        sentinels = {proc.sentinel: rank for rank, proc in procs.items()}
+        sentinels = {proc.sentinel: rank for rank, proc in manager.procs.items()}
         ready = multiprocessing.connection.wait(list(sentinels))
         rank = sentinels[ready[0]]
+        proc = manager.procs[rank]
         # The sentinel is ready as the process exits, a moment before it can be reaped.
-        procs[rank].join(STOP_TIMEOUT_S)
-        exitcode = 0 if procs[rank].exitcode == 0 else 1
-        logger.info("headless: DP rank %d exited with code %s; stopping the others.", rank,
-                    procs[rank].exitcode)
-    finally:
-        _stop(procs.values())
-    sys.exit(exitcode)
-
-
-def _stop(procs) -> None:
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-    for proc in procs:
         proc.join(STOP_TIMEOUT_S)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(STOP_TIMEOUT_S)
+        exitcode = 0 if proc.exitcode == 0 else 1
+        logger.info("headless: DP rank %d exited with code %s; stopping the others.", rank,
+                    proc.exitcode)
+    finally:
+        manager.close()
+    sys.exit(exitcode)

@@ -1,6 +1,6 @@
 """EngineCore: the scheduler and the model runner, driven one step at a time.
 
-Mirrors EngineCore in vllm/v1/engine/core.py (seed 003): add_request, abort_requests, and step(),
+Mirrors EngineCore in vllm/v1/engine/core.py: add_request, abort_requests, and step(),
 which schedules, runs the model and updates the scheduler with what it sampled. Left out: the batch
 queue for pipeline parallelism, the executor layer (one in-process runner), KV connectors,
 structured output, sleep mode and LoRA utilities.
@@ -9,6 +9,7 @@ structured output, sleep mode and LoRA utilities.
 import logging
 
 from minicore.config import EngineConfig
+from minicore.model.runner_base import ModelRunnerInterface
 from minicore.protocol import EngineCoreOutput
 from minicore.request import Request, RequestStatus
 from minicore.scheduler import BalanceScheduler, Scheduler
@@ -22,7 +23,8 @@ class EngineCore:
         they are loaded from config.model_config. With model_config.runner == "simulated" no
         model is loaded (nor torch imported): a SimulatedModelRunner makes up the tokens."""
         self.config = config
-        self.model_runner = self._make_model_runner(config, model, tokenizer)
+        self.model_runner: ModelRunnerInterface = self._make_model_runner(config, model, tokenizer)
+        # The one place num_blocks is set at run time: the runner has sized the KV cache.
         config.cache_config.num_blocks = self.model_runner.num_blocks
         _check_kv_cache_fits(config)
         self.scheduler = make_scheduler(config)

@@ -1,18 +1,12 @@
 """EngineCoreProc: the engine core in its own process, serving a frontend over ZMQ.
 
-Mirrors EngineCoreProc in vllm/v1/engine/core.py (seed 003): run_engine_core, the startup
-handshake, process_input_sockets / process_output_sockets, run_busy_loop and _send_engine_dead.
-Where vLLM runs two IO threads around a blocking busy loop and hands messages over in
-queue.Queues, minicore runs one uvloop event loop per engine process: the socket IO and the busy
-loop are coroutines joined by asyncio.Queues, and only the model forward leaves the loop, for one
-dedicated worker thread, so sockets keep flowing while the model runs.
-
-Startup handshake (the frontend binds, the engine connects):
-  engine -> frontend  HELLO {"status": "HELLO", "engine_index": i}          (handshake socket)
-  frontend -> engine  {"input": address, "output": address}
-  engine connects its DEALER input (identity = i as 2 bytes) and PUSH output, sends an empty frame
-  on the input so the frontend's ROUTER learns its identity, builds the EngineCore (loads the
-  model), then: engine -> frontend  READY {"status": "READY", "num_gpu_blocks": KV blocks}
+Mirrors EngineCoreProc in vllm/v1/engine/core.py: the engine's side of the startup handshake
+(described in minicore/engine/launch.py, which starts the process), process_input_sockets /
+process_output_sockets, run_busy_loop and _send_engine_dead. Where vLLM runs two IO threads around
+a blocking busy loop and hands messages over in queue.Queues, minicore runs one uvloop event loop
+per engine process: the socket IO and the busy loop are coroutines joined by asyncio.Queues, and
+only the model forward leaves the loop, for one dedicated worker thread, so sockets keep flowing
+while the model runs.
 
 Data parallelism (waves, collectives) is DPEngineCoreProc's, in minicore/dp/engine.py. Left out:
 several frontends per engine, the batch queue for pipeline parallelism, KV connectors, structured
@@ -20,19 +14,14 @@ output, request preprocessing caches.
 """
 
 import asyncio
-import contextlib
-import gc
 import logging
-import multiprocessing
 import os
 import signal
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
-import uvloop
 import zmq
 import zmq.asyncio
 
@@ -47,6 +36,7 @@ from minicore.protocol import (
     UtilityOutput,
 )
 from minicore.request import FinishReason, Request
+from minicore.utils import freeze_gc_heap, make_zmq_socket
 
 logger = logging.getLogger(__name__)
 
@@ -58,138 +48,6 @@ PARENT_CHECK_INTERVAL_S = 1.0
 # Input-queue item types of the engine's own making (not on the wire).
 _SHUTDOWN = "shutdown"
 _IO_FAILED = "io_failed"
-
-
-def freeze_gc_heap() -> None:
-    """Move everything alive now (after startup: torch, transformers, the model, the tokenizer; a
-    large, static heap) out of the garbage collector's reach, as vLLM's freeze_gc_heap does: a full
-    collection over it stalls the event loop for ~0.2 s (measured on the frontend: 2x requests/s
-    on the IO path with the heap frozen)."""
-    gc.collect()
-    gc.freeze()
-
-
-def make_zmq_socket(ctx: zmq.Context, address: str, socket_type: int, *, bind: bool,
-                    identity: bytes | None = None, linger: int = 0) -> zmq.Socket:
-    sock = ctx.socket(socket_type)
-    # No high-water marks: past one a ROUTER drops messages silently, and no message may be lost.
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.setsockopt(zmq.LINGER, linger)
-    if identity is not None:
-        sock.setsockopt(zmq.IDENTITY, identity)
-    if bind:
-        sock.bind(address)
-    else:
-        sock.connect(address)
-    return sock
-
-
-def start_engine_processes(config: EngineConfig,
-                           handshake_address: str) -> dict[int, multiprocessing.Process]:
-    """Start this machine's engine processes ("spawn"), one per local DP rank, by rank. They
-    are daemons: they do not outlive the process that started them."""
-    procs = {}
-    for local_rank, rank in enumerate(config.parallel_config.local_ranks):
-        proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, name=f"EngineCore_DP{rank}", daemon=True,
-            args=(config, handshake_address, rank))
-        with _visible_device(config, local_rank):
-            proc.start()
-        procs[rank] = proc
-    return procs
-
-
-@contextlib.contextmanager
-def _visible_device(config: EngineConfig, local_rank: int):
-    """On CUDA with several local DP ranks, the process started here sees only its own GPU (as
-    vLLM sets CUDA_VISIBLE_DEVICES per engine process)."""
-    mc = config.model_config
-    if (config.parallel_config.data_parallel_size_local < 2 or mc.runner == "simulated"
-            or (mc.device or "cuda").startswith("cpu")):
-        yield
-        return
-    import torch
-
-    if not torch.cuda.is_available():
-        yield
-        return
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-    if local_rank >= len(devices):
-        raise ValueError(f"{config.parallel_config.data_parallel_size_local} local DP ranks need "
-                         f"as many GPUs; this machine has {len(devices)}")
-    os.environ["CUDA_VISIBLE_DEVICES"] = devices[local_rank]
-    try:
-        yield
-    finally:
-        if visible is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = visible
-
-
-def run_engine_core(config: EngineConfig, handshake_address: str, engine_index: int = 0, *,
-                    handshake_timeout: float = HANDSHAKE_TIMEOUT_S) -> None:
-    """Entry point of an engine process (multiprocessing "spawn"): handshake, load the model, serve
-    until SIGTERM/SIGINT (exit 0) or a fatal error (ENGINE_CORE_DEAD, exit 1)."""
-    _configure_process(config, engine_index)
-    shutdown_requested = False
-
-    def signal_handler(signum, frame):
-        # Until the event loop takes over the signals (startup: handshake, model load).
-        nonlocal shutdown_requested
-        if not shutdown_requested:
-            shutdown_requested = True
-            raise SystemExit(0)
-
-    signal.signal(signal.SIGTERM, signal_handler)
-    signal.signal(signal.SIGINT, signal_handler)
-    engine_core: EngineCoreProc | None = None
-    fatal = False
-    try:
-        engine_core_cls = EngineCoreProc
-        if config.parallel_config.data_parallel_size > 1:
-            from minicore.dp.engine import DPEngineCoreProc
-
-            config.parallel_config.data_parallel_rank = engine_index
-            engine_core_cls = DPEngineCoreProc
-        engine_core = engine_core_cls(config, handshake_address, engine_index, handshake_timeout)
-        uvloop.run(engine_core.run())
-        logger.info("EngineCore exiting.")
-    except SystemExit:
-        logger.info("EngineCore exiting.")
-        raise
-    except Exception:
-        fatal = True
-        if engine_core is None:
-            logger.exception("EngineCore failed to start.")
-        # A fatal error after startup was logged, and ENGINE_CORE_DEAD sent, by run().
-        sys.exit(1)
-    finally:
-        if engine_core is not None:
-            engine_core.close(fatal)
-
-
-def _configure_process(config: EngineConfig, engine_index: int) -> None:
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=logging.INFO,
-            format=f"%(asctime)s %(levelname)s [EngineCore_{engine_index} pid={os.getpid()}] "
-                   "%(name)s: %(message)s")
-    if config.model_config.runner == "simulated":
-        return
-    import torch
-
-    device = config.model_config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if torch.device(device).type == "cpu":
-        # On few cores, OpenMP threads that compete with the frontend's busy core are much slower
-        # than one thread fewer (17x measured on 2 cores with two threads); the local DP ranks
-        # share what is left.
-        num_local = config.parallel_config.data_parallel_size_local or 1
-        threads = (os.environ.get("MINICORE_CPU_THREADS")
-                   or max(1, ((os.cpu_count() or 1) - 1) // num_local))
-        torch.set_num_threads(int(threads))
 
 
 class EngineCoreProc(EngineCore):
@@ -418,9 +276,7 @@ class EngineCoreProc(EngineCore):
     def _add_request(self, request: EngineCoreRequest) -> None:
         self.num_received_requests += 1
         try:
-            self.add_request(Request(request.request_id, request.prompt_token_ids,
-                                     request.sampling_params, request.eos_token_id,
-                                     request.arrival_time, request.priority, request.cache_salt))
+            self.add_request(Request.from_engine_core_request(request))
         except ValueError as e:
             # Finish it at once, so that the frontend does not wait for it forever.
             logger.error("EngineCore %d rejected request %r: %s", self.engine_index,

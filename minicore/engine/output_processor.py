@@ -1,28 +1,65 @@
-"""The frontend's side of a request: token ids in, text and finish state out.
+"""The frontend's side of each request: engine outputs in, text, finish state and streams out.
 
-Mirrors RequestState in vllm/v1/engine/output_processor.py: it detokenizes incrementally, applies
-stop strings (the engine only knows stop tokens, so a stop string finishes the request here and
-the caller aborts it in the engine), and keeps the timestamps metrics need. Streaming holds back
-the last len(longest stop string) - 1 characters until they cannot start a stop string any more.
-Left out: logprobs, n > 1, pooling outputs.
+Mirrors vllm/v1/engine/output_processor.py: OutputProcessor keeps a RequestState per request,
+detokenizes incrementally, applies stop strings (the engine only knows stop tokens, so a stop
+string finishes the request here and the caller aborts it in the engine), keeps the timestamps
+metrics need, and hands results over: to the request's RequestOutputCollector (AsyncLLM's
+streams) or, for a request without one (the offline LLM), as a RequestOutput once it finishes.
+Streaming holds back the last len(longest stop string) - 1 characters until they cannot start a
+stop string any more. Left out: logprobs, n > 1 fan-out, pooling outputs, iteration stats objects
+(the metrics hooks below take their place).
 """
 
+import asyncio
 import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from minicore.engine.detokenizer import IncrementalDetokenizer
 from minicore.outputs import CompletionOutput, RequestOutput
-from minicore.protocol import EngineCoreOutput
+from minicore.protocol import EngineCoreOutput, EngineCoreRequest
 from minicore.sampling_params import SamplingParams
+
+
+class RequestOutputCollector:
+    """One request's one-slot queue: the output side marks it ready after each output; the
+    consumer takes the newest state (a consumer that falls behind gets the newest state, not a
+    backlog), or the error that ended it."""
+
+    __slots__ = ("error", "ready", "state")
+
+    def __init__(self):
+        self.state: RequestState | None = None
+        self.ready = asyncio.Event()
+        self.error: BaseException | None = None
+
+    def notify(self) -> None:
+        self.ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.ready.set()
+
+    async def get(self) -> RequestOutput:
+        await self.ready.wait()
+        self.ready.clear()
+        if self.error is not None:
+            raise self.error
+        return self.state.make_request_output()
 
 
 class RequestState:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, tokenizer, arrival_time: float | None = None):
+                 params: SamplingParams, tokenizer, arrival_time: float | None = None,
+                 queue: RequestOutputCollector | None = None):
         self.request_id = request_id
         # The DP rank that runs it.
         self.engine_index = 0
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
+        self.queue = queue
+        if queue is not None:
+            queue.state = self
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop)
         self.stop_buffer_length = max(map(len, params.stop), default=1) - 1
         self.token_ids: list[int] = []
@@ -67,3 +104,85 @@ class RequestState:
                                       self.finish_reason, self.stop_reason)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
                              self.finished, self.num_cached_tokens)
+
+
+@dataclass(slots=True)
+class OutputProcessorOutput:
+    # Finished requests that have no collector (the offline LLM's).
+    request_outputs: list[RequestOutput] = field(default_factory=list)
+    # Requests a stop string finished here: the caller aborts them in the engine.
+    reqs_to_abort: list[str] = field(default_factory=list)
+
+
+class OutputProcessor:
+    """Hooks for metrics (plain attributes, None by default), called as outputs are processed:
+      on_new_tokens(state, num_new_tokens, interval_s): after each engine output that brought
+        tokens; interval_s is the time since the request's previous output, None for its first
+        (then the time to first token is state.first_token_time - state.arrival_time).
+      on_request_finished(state): once per request that finished (state.finish_reason "stop",
+        "length" or "abort"), aborts included; not for requests failed by a dead engine.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.request_states: dict[str, RequestState] = {}
+        self.on_new_tokens: Callable[[RequestState, int, float | None], None] | None = None
+        self.on_request_finished: Callable[[RequestState], None] | None = None
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.request_states)
+
+    def add_request(self, request: EngineCoreRequest, prompt: str | None,
+                    queue: RequestOutputCollector | None = None) -> RequestState:
+        if request.request_id in self.request_states:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        state = RequestState(request.request_id, prompt, request.prompt_token_ids,
+                             request.sampling_params, self.tokenizer, request.arrival_time, queue)
+        self.request_states[request.request_id] = state
+        return state
+
+    def process_outputs(self, outputs: Iterable[EngineCoreOutput]) -> OutputProcessorOutput:
+        result = OutputProcessorOutput()
+        states = self.request_states
+        for output in outputs:
+            if (state := states.get(output.request_id)) is None:
+                continue  # aborted here while the engine was producing it
+            previous_token_time = state.last_token_time
+            if state.process(output):
+                result.reqs_to_abort.append(output.request_id)
+            if self.on_new_tokens is not None and output.new_token_ids:
+                interval = (None if previous_token_time is None
+                            else state.last_token_time - previous_token_time)
+                self.on_new_tokens(state, len(output.new_token_ids), interval)
+            if state.queue is not None:
+                state.queue.notify()
+            if state.finished:
+                self._finish(state)
+                if state.queue is None:
+                    result.request_outputs.append(state.make_request_output())
+        return result
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[RequestState]:
+        """Finish these requests here as "abort" (their streams end); returns the states of those
+        that were unfinished, which the caller aborts in the engine. Unknown ids are ignored."""
+        aborted = []
+        for request_id in request_ids:
+            if (state := self.request_states.get(request_id)) is not None:
+                state.finish_reason = "abort"
+                if state.queue is not None:
+                    state.queue.notify()
+                self._finish(state)
+                aborted.append(state)
+        return aborted
+
+    def _finish(self, state: RequestState) -> None:
+        del self.request_states[state.request_id]
+        if self.on_request_finished is not None:
+            self.on_request_finished(state)
+
+    def fail_all(self, error: BaseException) -> None:
+        """The engine is gone: every stream ends with error (no finish hook runs)."""
+        for state in self.request_states.values():
+            if state.queue is not None:
+                state.queue.fail(error)
+        self.request_states.clear()

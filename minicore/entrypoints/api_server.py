@@ -22,7 +22,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import minicore
 from minicore.config import EngineConfig
-from minicore.engine.client import AsyncEngineClient, EngineDeadError
+from minicore.engine.async_llm import AsyncLLM
+from minicore.engine.core_client import EngineDeadError
 from minicore.entrypoints.metrics import ServerMetrics, StatsLogger
 from minicore.entrypoints.openai_protocol import (
     ChatCompletionRequest,
@@ -105,7 +106,7 @@ async def with_cancellation(coro, raw_request: Request):
     return handler.result()
 
 
-def build_app(client: AsyncEngineClient, serving: OpenAIServing, metrics: ServerMetrics,
+def build_app(client: AsyncLLM, serving: OpenAIServing, metrics: ServerMetrics,
               api_key: str | None = None, log_stats: bool = True) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -124,6 +125,13 @@ def build_app(client: AsyncEngineClient, serving: OpenAIServing, metrics: Server
                   telemetry={"tracing": False, "metrics": False, "logs": False})
     if api_key:
         app.add_middleware(AuthenticationMiddleware, api_key=api_key)
+    _add_exception_handlers(app)
+    _add_routes(app, client, serving, metrics)
+    return app
+
+
+def _add_exception_handlers(app: FastAPI) -> None:
+    """Every failure becomes an OpenAI error body."""
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_, e: OpenAIError):
@@ -146,6 +154,9 @@ def build_app(client: AsyncEngineClient, serving: OpenAIServing, metrics: Server
         logger.exception("unhandled error")
         return json_response(make_error(f"internal error: {e!r}", 500), 500)
 
+
+def _add_routes(app: FastAPI, client: AsyncLLM, serving: OpenAIServing,
+                metrics: ServerMetrics) -> None:
     @app.get("/health")
     async def health():
         if client.is_healthy:
@@ -190,15 +201,13 @@ def build_app(client: AsyncEngineClient, serving: OpenAIServing, metrics: Server
         return await run(serving.create_chat_completion(request, rank_header(raw_request)),
                          raw_request, request.stream)
 
-    return app
-
 
 def rank_header(raw_request: Request) -> str | None:
     """vLLM's header for running a request on a given DP engine."""
     return raw_request.headers.get("X-data-parallel-rank")
 
 
-async def _log_stats(metrics: ServerMetrics, client: AsyncEngineClient) -> None:
+async def _log_stats(metrics: ServerMetrics, client: AsyncLLM) -> None:
     stats_logger = StatsLogger(metrics, lambda: client.latest_stats)
     while True:
         await asyncio.sleep(STATS_LOG_INTERVAL_S)
@@ -231,7 +240,7 @@ async def run_server(config: EngineConfig, args) -> None:
     for sig in uvicorn.server.HANDLED_SIGNALS:
         loop.add_signal_handler(sig, main.cancel)
     try:
-        client = await AsyncEngineClient.create(config)
+        client = await AsyncLLM.from_engine_config(config)
     except (RuntimeError, TimeoutError) as e:  # the engine died or hung while starting
         raise SystemExit(f"minicore: the engine did not start: {e}") from None
     finally:
@@ -241,8 +250,8 @@ async def run_server(config: EngineConfig, args) -> None:
         model_names = args.served_model_name or [client.model_name]
         num_engines = config.parallel_config.data_parallel_size
         metrics = ServerMetrics(model_names[0], num_engines, lambda: client.latest_stats)
-        client.on_new_tokens = metrics.on_new_tokens
-        client.on_request_finished = metrics.on_request_finished
+        client.output_processor.on_new_tokens = metrics.on_new_tokens
+        client.output_processor.on_request_finished = metrics.on_request_finished
         serving = OpenAIServing(client, model_names)
         app = build_app(client, serving, metrics, args.api_key, not args.disable_log_stats)
         server = ApiServer(uvicorn.Config(

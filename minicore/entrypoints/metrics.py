@@ -5,7 +5,7 @@ names under a `minicore:` prefix, each labelled by model_name and engine. Two so
 the engines' SchedulerStats (running, waiting, KV cache usage, and the cumulative prefix-cache and
 preemption counters, which become Prometheus counters as they are, at scrape time) and the
 frontend's view of each request (tokens, time to first token, inter-token latency, end-to-end
-latency, finish reason), recorded by AsyncEngineClient's hooks as each engine output is
+latency, finish reason), recorded by OutputProcessor's hooks as each engine output is
 processed, as vLLM's output processor does (so a slow reader does not skew them). Left
 out: queue/prefill/decode time splits, per-request token histograms, spec-decode and LoRA metrics.
 The prefix cache hit rate in the log line is since start (vLLM: over the last 1000 requests).
@@ -124,7 +124,7 @@ class ServerMetrics:
 
     def on_new_tokens(self, state: RequestState, num_new_tokens: int,
                       interval: float | None) -> None:
-        """AsyncEngineClient's hook: an engine output brought a request num_new_tokens tokens,
+        """OutputProcessor's hook: an engine output brought a request num_new_tokens tokens,
         interval seconds after its previous output (None: these are its first)."""
         engine = state.engine_index
         if interval is None:
@@ -138,7 +138,7 @@ class ServerMetrics:
         self.num_generation_tokens[engine] += num_new_tokens
 
     def on_request_finished(self, state: RequestState) -> None:
-        """AsyncEngineClient's hook: a request finished (stop, length or abort)."""
+        """OutputProcessor's hook: a request finished (stop, length or abort)."""
         self._e2e[state.engine_index].observe(time.monotonic() - state.arrival_time)
         self._success.labels(self.model_name, str(state.engine_index), state.finish_reason).inc()
 

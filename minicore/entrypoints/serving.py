@@ -2,8 +2,8 @@
 
 Mirrors vllm/entrypoints/openai/serving_engine.py (model check, input validation, error
 responses), serving_completion.py, serving_chat.py and serving_tokenization.py, on top of
-AsyncEngineClient.generate. Everything a request could be refused for is checked before the first
-engine request is sent, so a refused request leaves nothing behind, and a streamed one never turns
+AsyncLLM: its InputProcessor builds (and checks) every engine request, and AsyncLLM.generate runs
+each. Everything a request could be refused for is checked before the first engine request is sent, so a refused request leaves nothing behind, and a streamed one never turns
 into an error after its 200. Each choice (n per prompt, for every prompt of a completion request)
 is its own engine request; their outputs are merged as they arrive. A choice whose engine request
 ends early (client gone, server shutting down) is aborted in the engine and finishes as "abort".
@@ -18,9 +18,12 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
+import msgspec
 from jinja2 import TemplateError
 
-from minicore.engine.client import AsyncEngineClient, EngineDeadError
+from minicore.engine.async_llm import AsyncLLM
+from minicore.engine.core_client import EngineDeadError
+from minicore.engine.input_processor import InvalidRequestError
 from minicore.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -46,6 +49,7 @@ from minicore.entrypoints.openai_protocol import (
     to_json,
 )
 from minicore.outputs import RequestOutput
+from minicore.protocol import EngineCoreRequest
 from minicore.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -69,7 +73,7 @@ class Choice:
     index: int
     request_id: str
     prompt: Prompt
-    # AsyncEngineClient.generate's stream; closing it early aborts the request.
+    # AsyncLLM.generate's stream; closing it early aborts the request.
     outputs: AsyncGenerator[RequestOutput, None]
     text: str = ""
     num_tokens: int = 0
@@ -78,13 +82,12 @@ class Choice:
 
 
 class OpenAIServing:
-    def __init__(self, client: AsyncEngineClient, model_names: list[str]):
+    def __init__(self, client: AsyncLLM, model_names: list[str]):
         self.client = client
         self.model_names = model_names
         self.tokenizer = client.tokenizer
         self.vocab_size = client.vocab_size
         self.max_model_len = client.config.scheduler_config.max_model_len
-        self.policy = client.config.scheduler_config.policy
         self.created = int(time.time())
         # Choices with an engine request in flight, by request id.
         self.running: dict[str, Choice] = {}
@@ -107,16 +110,23 @@ class OpenAIServing:
         request.check_unsupported()
         if ignored := request.ignored_fields():
             logger.warning("ignoring unknown request fields: %s", ", ".join(ignored))
-        if request.priority != 0 and self.policy != "priority":
-            raise OpenAIError(f"priority {request.priority} needs --scheduling-policy priority",
-                              400, "priority")
 
-    def _check_prompt(self, prompt: Prompt, params: SamplingParams, param: str) -> None:
-        num = len(prompt.token_ids)
-        if num == 0:
-            raise OpenAIError("the prompt is empty: it must contain at least one token", 400, param)
-        if any(not 0 <= t < self.vocab_size for t in prompt.token_ids):
-            raise OpenAIError(f"prompt token ids must be in [0, {self.vocab_size})", 400, param)
+    def _process_inputs(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                        request: SamplingRequest, rank: int | None,
+                        param: str) -> EngineCoreRequest:
+        """The engine request for one prompt; param names the prompt's field in errors. The
+        context length is checked first, as OpenAI words it (with the completion's tokens)."""
+        processor = self.client.input_processor
+        try:
+            token_ids = processor.tokenize(prompt)
+            self._check_context_length(len(token_ids), params, param)
+            return processor.process_inputs(request_id, token_ids, params,
+                                            priority=request.priority, data_parallel_rank=rank)
+        except InvalidRequestError as e:
+            raise OpenAIError(str(e), 400, param if e.param == "prompt" else e.param) from None
+
+    def _check_context_length(self, num: int, params: SamplingParams, param: str) -> None:
+        """OpenAI's rule: prompt and completion together must fit in the context."""
         if params.max_tokens is None:
             if num >= self.max_model_len:
                 raise OpenAIError(
@@ -145,10 +155,6 @@ class OpenAIServing:
 
     # ----------------------------------------------------------------------------- prompts
 
-    def _encode(self, text: str) -> list[int]:
-        # As the offline LLM does: the chat template already holds any special tokens.
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
     def _apply_chat_template(self, messages, add_generation_prompt: bool) -> str:
         if not messages:
             raise OpenAIError("messages must not be empty", 400, "messages")
@@ -160,33 +166,34 @@ class OpenAIServing:
             raise OpenAIError(f"the chat template rejected the messages: {e}", 400,
                               "messages") from None
 
-    def _completion_prompts(self, prompt) -> list[Prompt]:
-        if isinstance(prompt, str):
-            return [Prompt(prompt, self._encode(prompt))]
-        if not prompt or isinstance(prompt[0], int):
-            return [Prompt(None, list(prompt))]
-        return [Prompt(p, self._encode(p)) if isinstance(p, str) else Prompt(None, list(p))
-                for p in prompt]
+    @staticmethod
+    def _completion_prompts(prompt) -> list[str | list[int]]:
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
 
-    def _make_choices(self, response_id: str, prompts: list[Prompt], params: SamplingParams,
-                      request: SamplingRequest, param: str,
+    def _make_choices(self, response_id: str, prompts: list[str | list[int]],
+                      params: SamplingParams, request: SamplingRequest, param: str,
                       rank_header: str | None) -> list[Choice]:
-        """Check every prompt and the X-data-parallel-rank header, then make n choices per
-        prompt. Nothing reaches the engine until the choices are iterated."""
+        """Check the X-data-parallel-rank header and build every prompt's engine request, then
+        make n choices per prompt. Nothing reaches the engine until the choices are iterated."""
         rank = self._data_parallel_rank(rank_header)
-        for prompt in prompts:
-            self._check_prompt(prompt, params, param)
+        engine_requests = [self._process_inputs(f"{response_id}-p{i}", prompt, params, request,
+                                                rank, param)
+                           for i, prompt in enumerate(prompts)]
         choices = []
-        for prompt in prompts:
+        for prompt, engine_request in zip(prompts, engine_requests):
+            shared = Prompt(prompt if isinstance(prompt, str) else None,
+                            engine_request.prompt_token_ids)
             for j in range(request.n):
                 # As vLLM's parallel sampling: the j-th sample of a seeded request uses seed + j.
                 p = params if j == 0 or params.seed is None else dataclasses.replace(
                     params, seed=params.seed + j)
                 request_id = f"{response_id}-{len(choices)}"
-                outputs = self.client.generate(prompt.text, prompt.token_ids, p, request_id,
-                                               priority=request.priority,
-                                               data_parallel_rank=rank)
-                choices.append(Choice(len(choices), request_id, prompt, outputs))
+                choice_request = msgspec.structs.replace(engine_request, request_id=request_id,
+                                                         sampling_params=p)
+                outputs = self.client.generate(choice_request, prompt_text=shared.text)
+                choices.append(Choice(len(choices), request_id, shared, outputs))
         return choices
 
     # ----------------------------------------------------------------------------- outputs
@@ -228,7 +235,7 @@ class OpenAIServing:
                 if choice.finish_reason is None:  # the stream ended without saying why
                     choice.finish_reason = "abort"
                     yield choice, ""
-        except ValueError as e:  # the client's own input checks
+        except ValueError as e:  # AsyncLLM's own checks (a request id in use)
             raise OpenAIError(str(e), 400) from None
         finally:
             for choice in choices:
@@ -329,8 +336,8 @@ class OpenAIServing:
         text = self._apply_chat_template(request.messages, request.add_generation_prompt)
         params = request.to_sampling_params(request.requested_max_tokens)
         response_id = f"chatcmpl-{random_uuid()}"
-        choices = self._make_choices(response_id, [Prompt(text, self._encode(text))], params,
-                                     request, "messages", rank_header)
+        choices = self._make_choices(response_id, [text], params, request, "messages",
+                                     rank_header)
         model = request.model or self.model_names[0]
         if request.stream:
             return self._chat_stream(request, response_id, model, choices)

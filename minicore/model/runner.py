@@ -8,32 +8,22 @@ logprobs, speculative decoding, pipeline/tensor parallelism.
 """
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from minicore.config import EngineConfig
 from minicore.model.attention import AttentionMetadata, kv_cache_shape, use_paged_attention
 from minicore.model.sampler import SamplingMetadata, sample
+from minicore.model.runner_base import CachedRequestState, ModelRunnerBase
 from minicore.outputs import ModelRunnerOutput
-from minicore.sampling_params import SamplingParams
 from minicore.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class CachedRequestState:
-    """What the runner remembers of a request between steps (vLLM keeps the same per request)."""
-    token_ids: list[int]
-    block_ids: list[int]
-    num_computed_tokens: int
-    sampling_params: SamplingParams
-    generator: torch.Generator | None
-
-
-class ModelRunner:
+class ModelRunner(ModelRunnerBase):
     def __init__(self, config: EngineConfig, model, tokenizer):
+        super().__init__()
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
@@ -43,7 +33,6 @@ class ModelRunner:
         # The base model gives hidden states; the head runs only on sampling positions.
         self.base_model = model.base_model
         self.lm_head = model.get_output_embeddings()
-        self.requests: dict[str, CachedRequestState] = {}
         self.num_blocks = self._determine_num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens)", self.num_blocks,
@@ -93,22 +82,8 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def _update_states(self, so: SchedulerOutput) -> None:
-        for req_id in so.finished_req_ids | so.preempted_req_ids:
-            self.requests.pop(req_id, None)
-        for new in so.scheduled_new_reqs:
-            seed = new.sampling_params.seed
-            generator = (torch.Generator(self.device).manual_seed(seed)
-                         if seed is not None else None)
-            self.requests[new.req_id] = CachedRequestState(
-                list(new.token_ids), list(new.block_ids), new.num_computed_tokens,
-                new.sampling_params, generator)
-        cached = so.scheduled_cached_reqs
-        for req_id, new_block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
-                                                        cached.num_computed_tokens):
-            state = self.requests[req_id]
-            state.block_ids.extend(new_block_ids)
-            state.num_computed_tokens = num_computed
+    def _make_generator(self, seed: int | None) -> torch.Generator | None:
+        return None if seed is None else torch.Generator(self.device).manual_seed(seed)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)

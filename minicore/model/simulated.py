@@ -4,9 +4,8 @@ modelled delay.
 Everything it produces is a simulation, labelled as such (this docstring, and a warning in the log
 when it starts). It exists for what does not need a real model: measuring the IO path between the
 frontend and the engine (with zero cost it returns at once) and studying scheduling policies (with
-a cost model). It has ModelRunner's interface (minicore/model/runner.py, which mirrors
-vllm/v1/worker/gpu_model_runner.py): num_blocks, execute_model(SchedulerOutput) ->
-ModelRunnerOutput, execute_dummy_batch().
+a cost model). It implements ModelRunnerInterface (minicore/model/runner_base.py), as ModelRunner
+(which mirrors vllm/v1/worker/gpu_model_runner.py) does.
 
 - Tokens: deterministic, a hash of the request's last token and position modulo the vocabulary size
   (read from the model's config.json when there is one). It never emits the model's EOS token, so
@@ -15,7 +14,8 @@ ModelRunnerOutput, execute_dummy_batch().
   prefill_token_s per prefill token, plus decode_seq_s per decoding request (a request scheduled
   for exactly its one newest token). All default to 0.
 - Data parallel: ranks run in lockstep, as an MoE model's all-to-alls make them: every forward
-  (dummy ones too) all-reduces its step time (MAX) over the DP group and takes the slowest rank's.
+  (dummy ones too) leaves its step time for the DP busy loop to take with pop_step_time(), which
+  all-reduces it (MAX) over the DP group and waits for the slowest rank's (minicore/dp/engine.py).
   An empty schedule runs no forward, as in ModelRunner.
 - KV cache: cache_config.num_blocks if set, else kv_cache_memory over a nominal per-token size
   (SmolLM2-135M's K and V in float32); the blocks are only counted, never allocated.
@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from minicore.config import EngineConfig
+from minicore.model.runner_base import ModelRunnerBase
 from minicore.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from minicore.scheduler.output import SchedulerOutput
 
@@ -65,16 +66,17 @@ def read_vocab(model: str | None) -> tuple[int, frozenset[int]]:
     return hf_config["vocab_size"], frozenset(eos_ids)
 
 
-class SimulatedModelRunner:
+class SimulatedModelRunner(ModelRunnerBase):
     def __init__(self, config: EngineConfig):
+        super().__init__()
         self.config = config
         self.cost = config.model_config.simulated_cost
         self.block_size = config.cache_config.block_size
         self.vocab_size, self.eos_token_ids = read_vocab(config.model_config.model)
-        # Each request's known tokens (prompt + sampled) and how many the model has "computed".
-        self.requests: dict[str, tuple[list[int], int]] = {}
         self.num_blocks = self._determine_num_blocks()
         self.lockstep = config.parallel_config.data_parallel_size > 1
+        # In lockstep: (start, seconds) of the last forward, until the DP loop takes it.
+        self._step_time: tuple[float, float] | None = None
         logger.warning("SIMULATED model runner: no model runs, tokens are made up (vocab %d), "
                        "cost %s; KV cache: %d blocks of %d tokens", self.vocab_size, self.cost,
                        self.num_blocks, self.block_size)
@@ -83,15 +85,6 @@ class SimulatedModelRunner:
         cache = self.config.cache_config
         return cache.num_blocks or cache.kv_cache_memory // (
             NOMINAL_KV_BYTES_PER_TOKEN * self.block_size)
-
-    def _update_states(self, so: SchedulerOutput) -> None:
-        for req_id in so.finished_req_ids | so.preempted_req_ids:
-            self.requests.pop(req_id, None)
-        for new in so.scheduled_new_reqs:
-            self.requests[new.req_id] = (list(new.token_ids), new.num_computed_tokens)
-        cached = so.scheduled_cached_reqs
-        for req_id, num_computed in zip(cached.req_ids, cached.num_computed_tokens):
-            self.requests[req_id] = (self.requests[req_id][0], num_computed)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         start_time = time.perf_counter()
@@ -102,7 +95,8 @@ class SimulatedModelRunner:
         sampled: list[list[int]] = []
         num_prefill_tokens = num_decodes = 0
         for req_id, n in so.num_scheduled_tokens.items():
-            token_ids, num_computed = self.requests[req_id]
+            state = self.requests[req_id]
+            token_ids, num_computed = state.token_ids, state.num_computed_tokens
             if n == 1 and num_computed == len(token_ids) - 1:
                 num_decodes += 1
             else:
@@ -124,14 +118,15 @@ class SimulatedModelRunner:
         self._run_for(time.perf_counter(), self.cost.step_s + self.cost.decode_seq_s)
 
     def _run_for(self, start_time: float, seconds: float) -> None:
-        """Sleep until start_time + seconds, or in lockstep DP the slowest rank's seconds."""
+        """Sleep until start_time + seconds; in lockstep DP leave that to the DP loop."""
         if self.lockstep:
-            import torch
-            import torch.distributed as dist
-
-            step_time = torch.tensor([seconds], dtype=torch.float64)
-            dist.all_reduce(step_time, op=dist.ReduceOp.MAX)
-            seconds = step_time.item()
+            self._step_time = (start_time, seconds)
+            return
         remaining = start_time + seconds - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
+
+    def pop_step_time(self) -> tuple[float, float] | None:
+        """(start, modelled seconds) of the forward that just ran in lockstep, None if none ran."""
+        step_time, self._step_time = self._step_time, None
+        return step_time

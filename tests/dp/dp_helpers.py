@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 
 from minicore.config import SimulatedCost, create_engine_config
-from minicore.engine.client import AsyncEngineClient
+from minicore.engine.async_llm import AsyncLLM
 from minicore.model.simulated import next_token, read_vocab
 
 STARTUP_TIMEOUT_S = 120
@@ -45,14 +45,14 @@ def simulated_dp_config(data_parallel_size: int, *, step_s: float = 0.002, **eng
 
 @contextlib.asynccontextmanager
 async def dp_client(config):
-    """An AsyncEngineClient with one engine process per DP rank; at exit it is shut down and every
+    """An AsyncLLM with one engine process per DP rank; at exit it is shut down and every
     engine process must have exited."""
-    client = await asyncio.wait_for(AsyncEngineClient.create(config), STARTUP_TIMEOUT_S)
+    client = await asyncio.wait_for(AsyncLLM.from_engine_config(config), STARTUP_TIMEOUT_S)
     try:
         yield client
     finally:
         await client.shutdown()
-        alive = [rank for rank, proc in client.procs.items() if proc.exitcode is None]
+        alive = [rank for rank, proc in client.engine_core.procs.items() if proc.exitcode is None]
         assert not alive, f"engine processes of ranks {alive} outlived the shutdown"
 
 
@@ -67,13 +67,13 @@ async def wait_until(condition: Callable[[], bool], timeout: float, what: str,
     return time.monotonic() - start
 
 
-async def wait_idle(client: AsyncEngineClient, timeout: float = IDLE_TIMEOUT_S) -> float:
+async def wait_idle(client: AsyncLLM, timeout: float = IDLE_TIMEOUT_S) -> float:
     """Wait until the frontend has heard that the wave completed (rank 0's wave_complete)."""
-    return await wait_until(lambda: not client.coordinator.engines_running, timeout,
+    return await wait_until(lambda: not client.engine_core.coordinator.engines_running, timeout,
                             "the DP wave completes (coordinator.engines_running turns False)")
 
 
-def simulated_tokens(client: AsyncEngineClient, prompt: list[int], n: int) -> list[int]:
+def simulated_tokens(client: AsyncLLM, prompt: list[int], n: int) -> list[int]:
     """The n tokens the simulated runner generates after prompt (it reads the same vocab)."""
     vocab_size, eos_ids = read_vocab(client.config.model_config.model)
     token_ids = list(prompt)
@@ -82,7 +82,7 @@ def simulated_tokens(client: AsyncEngineClient, prompt: list[int], n: int) -> li
     return token_ids[len(prompt):]
 
 
-async def assert_all_engines_idle(client: AsyncEngineClient, timeout: float = 10) -> None:
+async def assert_all_engines_idle(client: AsyncLLM, timeout: float = 10) -> None:
     """Every rank answers (a rank stuck in a collective would not: its busy loop handles utility
     calls), holds no request, and its process is alive."""
     for rank in range(client.num_engines):
@@ -90,6 +90,6 @@ async def assert_all_engines_idle(client: AsyncEngineClient, timeout: float = 10
                                        timeout)
         assert stats["request_ids"] == [], f"rank {rank} still holds {stats['request_ids']}"
         assert (stats["num_running_reqs"], stats["num_waiting_reqs"]) == (0, 0), (rank, stats)
-    dead = [rank for rank, proc in client.procs.items() if not proc.is_alive()]
-    assert not dead and client.is_healthy, f"engine ranks {dead} died ({client._dead_reason})"
-    assert client.states == {}
+    dead = [rank for rank, proc in client.engine_core.procs.items() if not proc.is_alive()]
+    assert not dead and client.is_healthy, f"engine ranks {dead} died ({client.engine_core._dead_reason})"
+    assert client.output_processor.request_states == {}

@@ -16,7 +16,7 @@ import time
 import pytest
 from dp_helpers import dp_client, simulated_dp_config, wait_idle, wait_until
 
-from minicore.engine.client import AsyncEngineClient
+from minicore.engine.async_llm import AsyncLLM
 from minicore.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -36,10 +36,10 @@ class EngineTimes:
     """A tap on the client's engine frames: the engine's timestamp of each request's first token
     and of its finish."""
 
-    def __init__(self, client: AsyncEngineClient):
+    def __init__(self, client: AsyncLLM):
         self.first_token: dict[str, float] = {}
         self.finished: dict[str, float] = {}
-        self._handle = client._handle_outputs
+        self._handle = client._process_outputs
 
     def __call__(self, outputs):
         for output in outputs.outputs:
@@ -50,26 +50,26 @@ class EngineTimes:
         self._handle(outputs)
 
 
-def num_running(client: AsyncEngineClient, rank: int) -> int:
+def num_running(client: AsyncLLM, rank: int) -> int:
     stats = client.latest_stats.get(rank)  # none before the engine's first frame
     return 0 if stats is None else stats.num_running_reqs
 
 
-async def run_to_end(client: AsyncEngineClient, request_id: str, rank: int, max_tokens: int):
-    outputs = [o async for o in client.generate(None, [7, 8, 9, len(request_id)],
+async def run_to_end(client: AsyncLLM, request_id: str, rank: int, max_tokens: int):
+    outputs = [o async for o in client.generate([7, 8, 9, len(request_id)],
                                                 SamplingParams(max_tokens=max_tokens),
                                                 request_id, data_parallel_rank=rank)]
     final = outputs[-1].outputs[0]
     assert final.finish_reason == "length" and len(final.token_ids) == max_tokens, request_id
 
 
-async def fill_then_send(client: AsyncEngineClient, num_long: int, short_ranks: list[int],
+async def fill_then_send(client: AsyncLLM, num_long: int, short_ranks: list[int],
                          tag: str) -> tuple[EngineTimes, list[str], list[str]]:
     """num_long long requests on rank 0; once rank 0 runs them all, one short request to each of
     short_ranks. Returns the engine times and the long and short request ids."""
     await wait_idle(client)
     times = EngineTimes(client)
-    client._handle_outputs = times
+    client._process_outputs = times
     longs = [f"{tag}-long-{i}" for i in range(num_long)]
     shorts = [f"{tag}-short-rank{r}" for r in short_ranks]
     try:
@@ -83,7 +83,7 @@ async def fill_then_send(client: AsyncEngineClient, num_long: int, short_ranks: 
 
         await asyncio.wait_for(scenario(), SCENARIO_TIMEOUT_S)
     finally:
-        del client._handle_outputs
+        del client._process_outputs
     first_long_done = min(times.finished[rid] for rid in longs)
     for rid in shorts:
         print(f"{rid}: first token {times.first_token[rid] - first_long_done:+.3f} s after the "

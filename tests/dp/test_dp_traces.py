@@ -1,4 +1,4 @@
-"""Random request traces through AsyncEngineClient against real DP engine processes (SIMULATED
+"""Random request traces through AsyncLLM against real DP engine processes (SIMULATED
 runner, real gloo), DP size 2 and 3, balance scheduling off and on.
 
 Every rank must issue the same collectives in the same order whatever reaches it: a mismatch is a
@@ -27,7 +27,7 @@ from dp_helpers import (
     wait_idle,
 )
 
-from minicore.engine.client import AsyncEngineClient
+from minicore.engine.async_llm import AsyncLLM
 from minicore.model.simulated import read_vocab
 from minicore.sampling_params import SamplingParams
 
@@ -108,10 +108,10 @@ def plan_trace(rng: random.Random, size: int, silent_rank: int | None, vocab_siz
     return bursts
 
 
-async def run_request(client: AsyncEngineClient, req: PlannedRequest, outputs: dict) -> None:
+async def run_request(client: AsyncLLM, req: PlannedRequest, outputs: dict) -> None:
     await asyncio.sleep(req.delay_s)
     seen = outputs[req.request_id] = []
-    stream = client.generate(None, req.prompt, SamplingParams(max_tokens=req.max_tokens),
+    stream = client.generate(req.prompt, SamplingParams(max_tokens=req.max_tokens),
                              req.request_id, data_parallel_rank=req.rank)
     aborted = False
 
@@ -130,21 +130,21 @@ async def run_request(client: AsyncEngineClient, req: PlannedRequest, outputs: d
     consumer = asyncio.create_task(consume())
     if req.abort == "early":
         await asyncio.sleep(0)  # the consumer's first step sends the request
-        assert req.request_id in client.states, "the request was not sent yet"
+        assert req.request_id in client.output_processor.request_states, "the request was not sent yet"
         await client.abort(req.request_id)
     await consumer
 
 
-async def run_trace(client: AsyncEngineClient, bursts: list[Burst], outputs: dict) -> list[int]:
+async def run_trace(client: AsyncLLM, bursts: list[Burst], outputs: dict) -> list[int]:
     """Run the bursts; returns the coordinator's wave number at each idle point."""
     waves = []
     for burst in bursts:
         if burst.idle_before:
             await wait_idle(client)
-            waves.append(client.coordinator.current_wave)
+            waves.append(client.engine_core.coordinator.current_wave)
         await asyncio.gather(*(run_request(client, r, outputs) for r in burst.requests))
     await wait_idle(client)
-    waves.append(client.coordinator.current_wave)
+    waves.append(client.engine_core.coordinator.current_wave)
     return waves
 
 
@@ -152,9 +152,9 @@ class EngineOutputTap:
     """Records every engine output the frontend receives, (engine, finished) per request id,
     before the frontend drops what it no longer wants: duplicates show up here."""
 
-    def __init__(self, client: AsyncEngineClient):
+    def __init__(self, client: AsyncLLM):
         self.by_request: dict[str, list[tuple[int, bool]]] = defaultdict(list)
-        self._handle = client._handle_outputs
+        self._handle = client._process_outputs
 
     def __call__(self, outputs):
         for output in outputs.outputs:
@@ -162,10 +162,10 @@ class EngineOutputTap:
         self._handle(outputs)
 
 
-def describe_stuck(client: AsyncEngineClient) -> str:
-    unfinished = {rid: state.engine_index for rid, state in client.states.items()}
-    alive = {rank: proc.is_alive() for rank, proc in client.procs.items()}
-    c = client.coordinator
+def describe_stuck(client: AsyncLLM) -> str:
+    unfinished = {rid: state.engine_index for rid, state in client.output_processor.request_states.items()}
+    alive = {rank: proc.is_alive() for rank, proc in client.engine_core.procs.items()}
+    c = client.engine_core.coordinator
     return (f"unfinished requests by engine {unfinished}, coordinator wave {c.current_wave} "
             f"running {c.engines_running}, engine processes alive {alive}")
 
@@ -221,16 +221,16 @@ async def test_random_trace(client, seed):
         engine_of[state.request_id] = state.engine_index
 
     tap = EngineOutputTap(client)
-    client._handle_outputs, client.on_request_finished = tap, on_finished
-    sent_before = list(client.coordinator.num_sent)
+    client._process_outputs, client.output_processor.on_request_finished = tap, on_finished
+    sent_before = list(client.engine_core.coordinator.num_sent)
     try:
         waves = await asyncio.wait_for(run_trace(client, bursts, outputs), TRACE_TIMEOUT_S)
     except TimeoutError:
         raise AssertionError(f"seed {seed}: the trace hung (a collective mismatch?): "
                              f"{describe_stuck(client)}") from None
     finally:
-        del client._handle_outputs
-        client.on_request_finished = None
+        del client._process_outputs
+        client.output_processor.on_request_finished = None
 
     requests = [r for b in bursts for r in b.requests]
     assert sorted(outputs) == sorted(finishes) == sorted(r.request_id for r in requests)
@@ -240,7 +240,7 @@ async def test_random_trace(client, seed):
     assert waves == sorted(set(waves)) and len(waves) == 1 + sum(b.idle_before for b in bursts), \
         f"wave numbers at the idle points: {waves}"
     if silent_rank is not None:
-        assert client.coordinator.num_sent[silent_rank] == sent_before[silent_rank]
+        assert client.engine_core.coordinator.num_sent[silent_rank] == sent_before[silent_rank]
         assert silent_rank not in engine_of.values()
     else:
         assert set(engine_of.values()) == set(range(size)), "a rank got no request at all"
@@ -252,7 +252,7 @@ async def test_request_for_a_stale_wave_completes(client):
     request with the old wave number and no START_DP_WAVE: the rank it reaches must ask for the
     others (start_wave), or it would run its collectives alone."""
     await wait_idle(client)
-    coordinator = client.coordinator
+    coordinator = client.engine_core.coordinator
     wave = coordinator.current_wave
     assert wave >= 1, "the engines must have completed a wave already"
     coordinator.current_wave, coordinator.engines_running = wave - 1, True
@@ -260,7 +260,7 @@ async def test_request_for_a_stale_wave_completes(client):
     params = SamplingParams(max_tokens=20)
 
     async def run() -> list:
-        return [o async for o in client.generate(None, prompt, params, f"stale-{wave}",
+        return [o async for o in client.generate(prompt, params, f"stale-{wave}",
                                                  data_parallel_rank=1)]
 
     outputs = await asyncio.wait_for(run(), 30)

@@ -13,7 +13,7 @@ from dp_helpers import free_port_pair
 
 from minicore.config import CacheConfig, SchedulerConfig, create_engine_config
 from minicore.dp.group import DPGroup
-from minicore.engine.client import AsyncEngineClient
+from minicore.engine.async_llm import AsyncLLM
 from minicore.request import Request
 from minicore.sampling_params import SamplingParams
 from minicore.scheduler import BalanceScheduler
@@ -35,9 +35,9 @@ def _rank_main(rank: int, size: int, port: int, results) -> None:
     scheduler.schedule()
 
     async def loop_side():
-        unfinished = await group.has_global_unfinished_reqs_async(rank == size - 1)
-        idle = await group.has_global_unfinished_reqs_async(False)
-        await group.balance_gather_async(scheduler)
+        unfinished = await group.has_global_unfinished_reqs(rank == size - 1)
+        idle = await group.has_global_unfinished_reqs(False)
+        scheduler.balance_counts = await group.gather_running_counts(len(scheduler.running))
         return unfinished, idle, scheduler.balance_counts
 
     results.put((rank, *asyncio.run(loop_side())))
@@ -126,4 +126,4 @@ async def test_a_frontend_waiting_for_a_rank_that_never_starts_says_which_and_ho
                                   data_parallel_rpc_port=free_port_pair())
     with pytest.raises(TimeoutError, match=r"HELLO from engine\(s\) \[1\].*ranks \[1\] are not "
                                            r"started here: start them with --headless"):
-        await AsyncEngineClient.create(config, startup_timeout=3)
+        await AsyncLLM.from_engine_config(config, startup_timeout=3)

@@ -8,7 +8,7 @@ import msgspec
 import zmq
 
 from minicore.config import SimulatedCost, create_engine_config
-from minicore.engine.core_proc import make_zmq_socket
+from minicore.utils import make_zmq_socket
 from minicore.protocol import ENGINE_CORE_DEAD, EngineCoreOutputs, EngineCoreRequestType
 
 

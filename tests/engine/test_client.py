@@ -1,4 +1,4 @@
-"""AsyncEngineClient against a real engine process on the SIMULATED runner: concurrent streams,
+"""AsyncLLM against a real engine process on the SIMULATED runner: concurrent streams,
 aborts (early stop, explicit, stop strings) that free the engine's KV blocks, validation that
 sends nothing, and supervision: a killed or stopped engine fails in-flight requests at once.
 
@@ -7,23 +7,28 @@ Every wait is bounded (asyncio.timeout), and every client is shut down, its proc
 import asyncio
 import contextlib
 import itertools
+import logging
 import os
 import signal
 import time
 
+import msgspec
 import pytest
 import pytest_asyncio
+import zmq
 from engine_helpers import simulated_config
 
-from minicore.engine.client import AsyncEngineClient, EngineDeadError
+from minicore.engine.async_llm import AsyncLLM
+from minicore.engine.core_client import EngineDeadError
 from minicore.model.simulated import NOMINAL_KV_BYTES_PER_TOKEN, next_token
+from minicore.protocol import EngineCoreOutput, EngineCoreOutputs
 from minicore.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
-async def start_client(config, timeout: float = 60) -> AsyncEngineClient:
-    return await asyncio.wait_for(AsyncEngineClient.create(config), timeout)
+async def start_client(config, timeout: float = 60) -> AsyncLLM:
+    return await asyncio.wait_for(AsyncLLM.from_engine_config(config), timeout)
 
 
 @contextlib.asynccontextmanager
@@ -33,7 +38,7 @@ async def running_client(config):
         yield client
     finally:
         await client.shutdown()
-        assert client.procs[0].exitcode is not None
+        assert client.engine_core.procs[0].exitcode is not None
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -43,7 +48,7 @@ async def client():
         yield client
 
 
-def simulated_tokens(client: AsyncEngineClient, prompt: list[int], n: int) -> list[int]:
+def simulated_tokens(client: AsyncLLM, prompt: list[int], n: int) -> list[int]:
     token_ids = list(prompt)
     eos = frozenset({client.tokenizer.eos_token_id})
     for _ in range(n):
@@ -51,33 +56,33 @@ def simulated_tokens(client: AsyncEngineClient, prompt: list[int], n: int) -> li
     return token_ids[len(prompt):]
 
 
-async def assert_idle(client: AsyncEngineClient) -> None:
+async def assert_idle(client: AsyncLLM) -> None:
     stats = await client.call_utility("get_stats")
     assert (stats["num_running_reqs"], stats["num_waiting_reqs"]) == (0, 0)
     assert stats["kv_cache_usage"] == 0 and stats["request_ids"] == []
     # The engine published the same before answering, so the frontend's view is current too.
     latest = client.latest_stats[0]
     assert (latest.num_running_reqs, latest.kv_cache_usage) == (0, 0)
-    assert client.states == {}
+    assert client.output_processor.request_states == {}
 
 
 async def test_startup(client):
-    assert client.config.cache_config.num_blocks == 400
+    assert client.num_blocks == 400
     assert client.is_healthy and not client.errored
     assert client.model_name == "SmolLM2-135M-Instruct"
-    assert client.procs[0].is_alive()
+    assert client.engine_core.procs[0].is_alive()
     assert await client.call_utility("ping") == "pong"
 
 
 async def test_50_concurrent_streams_each_complete_once(client):
     finished = []
-    client.on_request_finished = finished.append
+    client.output_processor.on_request_finished = finished.append
 
     async def stream(i: int):
         prompt = [100 + i] * (1 + i % 20)
         max_tokens = 1 + i % 17
         params = SamplingParams(max_tokens=max_tokens)
-        outputs = [o async for o in client.generate(None, prompt, params, f"req-{i}")]
+        outputs = [o async for o in client.generate(prompt, params, f"req-{i}")]
         token_lists = [o.outputs[0].token_ids for o in outputs]
         # Cumulative: each output extends the one before; only the last is finished.
         assert all(a == b[:len(a)] and len(a) < len(b)
@@ -93,7 +98,7 @@ async def test_50_concurrent_streams_each_complete_once(client):
         async with asyncio.timeout(30):
             ids = await asyncio.gather(*(stream(i) for i in range(50)))
     finally:
-        client.on_request_finished = None
+        client.output_processor.on_request_finished = None
     assert sorted(ids) == sorted(f"req-{i}" for i in range(50))
     assert sorted(state.request_id for state in finished) == sorted(ids)
     await assert_idle(client)
@@ -101,17 +106,17 @@ async def test_50_concurrent_streams_each_complete_once(client):
 
 async def test_consumer_stopping_early_aborts_and_frees(client):
     finished = []
-    client.on_request_finished = finished.append
+    client.output_processor.on_request_finished = finished.append
     try:
         async with asyncio.timeout(10):
             params = SamplingParams(max_tokens=450)
-            async with contextlib.aclosing(client.generate(None, [7] * 40, params, "early")) as it:
+            async with contextlib.aclosing(client.generate([7] * 40, params, "early")) as it:
                 async for output in it:
                     if len(output.outputs[0].token_ids) >= 3:
                         break
             await assert_idle(client)
     finally:
-        client.on_request_finished = None
+        client.output_processor.on_request_finished = None
     assert [(s.request_id, s.finish_reason) for s in finished] == [("early", "abort")]
 
 
@@ -119,11 +124,11 @@ async def test_cancelled_consumer_aborts_and_frees(client):
     """A consumer cancelled while it awaits something else (a client disconnect while the server
     writes) aborts the request as it closes the stream."""
     finished = []
-    client.on_request_finished = finished.append
+    client.output_processor.on_request_finished = finished.append
 
     async def consume():
         params = SamplingParams(max_tokens=450)
-        async with contextlib.aclosing(client.generate(None, [8] * 40, params, "cancelled")) as it:
+        async with contextlib.aclosing(client.generate([8] * 40, params, "cancelled")) as it:
             async for _ in it:
                 asyncio.current_task().cancel()
                 await asyncio.sleep(10)
@@ -134,14 +139,14 @@ async def test_cancelled_consumer_aborts_and_frees(client):
                 await asyncio.create_task(consume())
             await assert_idle(client)
     finally:
-        client.on_request_finished = None
+        client.output_processor.on_request_finished = None
     assert [(s.request_id, s.finish_reason) for s in finished] == [("cancelled", "abort")]
 
 
 async def test_stream_read_from_several_tasks(client):
     """Merging streams reads each with anext() in a new task (vLLM's merge_async_iterators):
     a reading task that ends is not an abandoned stream."""
-    streams = [client.generate(None, [20 + i], SamplingParams(max_tokens=30), f"merge-{i}")
+    streams = [client.generate([20 + i], SamplingParams(max_tokens=30), f"merge-{i}")
                for i in range(3)]
     last = {}
     async with asyncio.timeout(10):
@@ -160,18 +165,18 @@ async def test_stream_read_from_several_tasks(client):
 
 async def test_explicit_abort_ends_the_stream_with_abort(client):
     finished = []
-    client.on_request_finished = finished.append
+    client.output_processor.on_request_finished = finished.append
     try:
         async with asyncio.timeout(10):
             outputs = []
-            async for output in client.generate(None, [9] * 8, SamplingParams(max_tokens=450),
+            async for output in client.generate([9] * 8, SamplingParams(max_tokens=450),
                                                 "aborted"):
                 outputs.append(output)
                 if len(outputs) == 2:
                     await client.abort("aborted")
             await client.abort("aborted")  # finished already: ignored
     finally:
-        client.on_request_finished = None
+        client.output_processor.on_request_finished = None
     assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
     assert [s.request_id for s in finished] == ["aborted"]
     await assert_idle(client)
@@ -184,7 +189,7 @@ async def test_stop_string_finishes_the_request_and_frees_it(client):
     stop = text[len(text) // 2:len(text) // 2 + 3]
     params = SamplingParams(max_tokens=400, stop=[stop])
     async with asyncio.timeout(10):
-        outputs = [o async for o in client.generate(None, prompt, params, "stopped")]
+        outputs = [o async for o in client.generate(prompt, params, "stopped")]
     final = outputs[-1].outputs[0]
     assert final.finish_reason == "stop" and final.stop_reason == stop
     assert final.text == text[:text.index(stop)]
@@ -195,7 +200,7 @@ async def test_stop_string_finishes_the_request_and_frees_it(client):
 async def test_invalid_requests_raise_and_send_nothing(client):
     async def first(prompt_token_ids, params=None, request_id="bad"):
         params = SamplingParams() if params is None else params
-        return await anext(client.generate(None, prompt_token_ids, params, request_id))
+        return await anext(client.generate(prompt_token_ids, params, request_id))
 
     async with asyncio.timeout(10):
         with pytest.raises(ValueError, match="the prompt is empty"):
@@ -209,7 +214,7 @@ async def test_invalid_requests_raise_and_send_nothing(client):
             await first([5, 6.0])
         with pytest.raises(ValueError, match="must be SamplingParams"):
             await first([5], params={"max_tokens": 3})
-        running = client.generate(None, [5], SamplingParams(max_tokens=450), "dup")
+        running = client.generate([5], SamplingParams(max_tokens=450), "dup")
         await anext(running)
         with pytest.raises(ValueError, match="'dup' is already in use"):
             await first([6], request_id="dup")
@@ -221,15 +226,15 @@ async def test_killed_engine_fails_in_flight_requests_fast():
     async with running_client(simulated_config(step_s=0.005)) as client:
         async def stream(i):
             params = SamplingParams(max_tokens=450)
-            async for _ in client.generate(None, [i + 1] * 4, params, f"k{i}"):
+            async for _ in client.generate([i + 1] * 4, params, f"k{i}"):
                 pass
 
         async with asyncio.timeout(20):
             tasks = [asyncio.create_task(stream(i)) for i in range(8)]
-            while sum(bool(s.token_ids) for s in client.states.values()) < 8:
+            while sum(bool(s.token_ids) for s in client.output_processor.request_states.values()) < 8:
                 await asyncio.sleep(0.005)
             start = time.monotonic()
-            os.kill(client.procs[0].pid, signal.SIGKILL)
+            os.kill(client.engine_core.procs[0].pid, signal.SIGKILL)
             results = await asyncio.gather(*tasks, return_exceptions=True)
             elapsed = time.monotonic() - start
         assert all(isinstance(r, EngineDeadError) for r in results), results
@@ -237,7 +242,7 @@ async def test_killed_engine_fails_in_flight_requests_fast():
         assert elapsed < 2
         assert client.errored and not client.is_healthy
         with pytest.raises(EngineDeadError):
-            await anext(client.generate(None, [1], SamplingParams(), "late"))
+            await anext(client.generate([1], SamplingParams(), "late"))
         with pytest.raises(EngineDeadError):
             await client.call_utility("ping")
 
@@ -245,13 +250,13 @@ async def test_killed_engine_fails_in_flight_requests_fast():
 async def test_sigterm_to_the_engine_exits_cleanly_and_fails_in_flight():
     async with running_client(simulated_config(step_s=0.005)) as client:
         async with asyncio.timeout(20):
-            stream = client.generate(None, [3, 4], SamplingParams(max_tokens=450), "t")
+            stream = client.generate([3, 4], SamplingParams(max_tokens=450), "t")
             await anext(stream)
-            os.kill(client.procs[0].pid, signal.SIGTERM)
+            os.kill(client.engine_core.procs[0].pid, signal.SIGTERM)
             with pytest.raises(EngineDeadError, match="exited with code 0"):
                 async for _ in stream:
                     pass
-        assert client.procs[0].exitcode == 0
+        assert client.engine_core.procs[0].exitcode == 0
         assert not client.is_healthy
 
 
@@ -265,12 +270,12 @@ async def test_engine_that_fails_to_start_is_reported():
 async def test_shutdown_stops_the_engine_and_fails_in_flight():
     client = await start_client(simulated_config(step_s=0.005))
     async with asyncio.timeout(20):
-        stream = client.generate(None, [3, 4], SamplingParams(max_tokens=450), "s")
+        stream = client.generate([3, 4], SamplingParams(max_tokens=450), "s")
         await anext(stream)
         start = time.monotonic()
         await client.shutdown()
         assert time.monotonic() - start < 5
-        assert client.procs[0].exitcode == 0
+        assert client.engine_core.procs[0].exitcode == 0
         with pytest.raises(EngineDeadError, match="shut down"):
             await anext(stream)
         await client.shutdown()  # idempotent
@@ -281,9 +286,37 @@ async def test_failing_output_hook_fails_requests_instead_of_hanging_them():
         def broken_hook(state, num_new_tokens, interval):
             raise KeyError("metrics bug")
 
-        client.on_new_tokens = broken_hook
+        client.output_processor.on_new_tokens = broken_hook
         async with asyncio.timeout(10):
             with pytest.raises(EngineDeadError, match="output handler failed"):
-                async for _ in client.generate(None, [1, 2], SamplingParams(max_tokens=5), "h"):
+                async for _ in client.generate([1, 2], SamplingParams(max_tokens=5), "h"):
                     pass
         assert client.errored and not client.is_healthy
+
+
+async def test_malformed_output_frames_are_dropped_and_the_client_keeps_serving(client, caplog):
+    """A garbage frame, msgpack of the wrong shape, or a frame from an engine that does not exist
+    on the frontend's output socket is logged and dropped; it used to kill the output handler."""
+    address = client.engine_core.output_socket.getsockopt_string(zmq.LAST_ENDPOINT)
+    ctx = zmq.Context()
+    forger = ctx.socket(zmq.PUSH)
+    forger.connect(address)
+    forged = [b"garbage", msgspec.msgpack.encode({"outputs": 1}),
+              msgspec.msgpack.encode(EngineCoreOutputs(7, [EngineCoreOutput("ghost", [5])])),
+              msgspec.msgpack.encode(EngineCoreOutputs(0, [EngineCoreOutput("ghost", [5])]))]
+    try:
+        with caplog.at_level(logging.ERROR, logger="minicore.engine.core_client"):
+            for frame in forged:
+                forger.send(frame)
+            async with asyncio.timeout(10):
+                outputs = [o async for o in client.generate([4, 5], SamplingParams(max_tokens=3),
+                                                            "after-forgery")]
+    finally:
+        forger.close(linger=0)
+        ctx.term()
+    assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 3
+    assert client.is_healthy and not client.errored
+    assert 7 not in client.latest_stats
+    dropped = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(dropped) == 3, dropped
+    await assert_idle(client)

@@ -11,7 +11,7 @@ import time
 import pytest
 from engine_helpers import FakeFrontend, simulated_config
 
-from minicore.engine.core_proc import run_engine_core
+from minicore.engine.launch import run_engine_core
 from minicore.model.simulated import NOMINAL_KV_BYTES_PER_TOKEN, SimulatedModelRunner
 from minicore.protocol import ENGINE_CORE_DEAD, EngineCoreRequest, EngineCoreRequestType
 from minicore.request import FinishReason

@@ -1,12 +1,12 @@
 """The engine process on the real default model: greedy tokens streamed through
-AsyncEngineClient equal offline LLM.generate's for the same prompts."""
+AsyncLLM equal offline LLM.generate's for the same prompts."""
 
 import asyncio
 
 import pytest
 
 from minicore.config import create_engine_config
-from minicore.engine.client import AsyncEngineClient
+from minicore.engine.async_llm import AsyncLLM
 from minicore.llm import LLM
 from minicore.sampling_params import SamplingParams
 
@@ -22,17 +22,16 @@ async def test_greedy_tokens_equal_offline_llm(hf_model_and_tokenizer):
     expected = LLM(model, tokenizer=tokenizer, **ENGINE_ARGS).generate(PROMPTS, params,
                                                                        use_tqdm=False)
     config = create_engine_config(dtype="float32", device="cpu", **ENGINE_ARGS)
-    client = await asyncio.wait_for(AsyncEngineClient.create(config), 180)
+    client = await asyncio.wait_for(AsyncLLM.from_engine_config(config), 180)
     try:
         async def run(i: int, prompt: str):
-            token_ids = client.tokenizer.encode(prompt, add_special_tokens=False)
-            return [o async for o in client.generate(prompt, token_ids, params, f"greedy-{i}")]
+            return [o async for o in client.generate(prompt, params, f"greedy-{i}")]
 
         async with asyncio.timeout(120):
             streams = await asyncio.gather(*(run(i, p) for i, p in enumerate(PROMPTS)))
     finally:
         await client.shutdown()
-    assert client.procs[0].exitcode == 0
+    assert client.engine_core.procs[0].exitcode == 0
     for outputs, offline in zip(streams, expected, strict=True):
         final = outputs[-1]
         assert final.finished and final.prompt == offline.prompt

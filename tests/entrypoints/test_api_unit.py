@@ -12,6 +12,7 @@ import pydantic
 import pytest
 
 from minicore.config import create_engine_config
+from minicore.engine.input_processor import InputProcessor
 from minicore.entrypoints.api_server import build_app
 from minicore.entrypoints.metrics import ServerMetrics, StatsLogger
 from minicore.entrypoints.openai_protocol import (
@@ -217,12 +218,13 @@ class _Script:
 
 
 class ScriptedClient:
-    """AsyncEngineClient's interface with no engine: each request yields one token per output
+    """AsyncLLM's interface (as the server uses it) with no engine: each request yields one token per output
     (" w<i>"), then finishes with "length"; a stream closed early, or abort(), aborts it."""
 
     def __init__(self, tokenizer, vocab_size):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.config = create_engine_config(max_model_len=64)
+        self.input_processor = InputProcessor(self.config, tokenizer, vocab_size)
         self.model_name = MODEL
         self.errored, self.is_healthy = False, True
         self.latest_stats = {0: SchedulerStats()}
@@ -231,8 +233,9 @@ class ScriptedClient:
         self.aborted: list[str] = []
         self._abort_events: dict[str, asyncio.Event] = {}
 
-    async def generate(self, prompt, prompt_token_ids, params, request_id, *, priority=0,
-                       data_parallel_rank=None):
+    async def generate(self, request, *, prompt_text=None):
+        request_id, params = request.request_id, request.sampling_params
+        prompt, prompt_token_ids = prompt_text, request.prompt_token_ids
         self.started.append(request_id)
         aborted = self._abort_events[request_id] = asyncio.Event()
         text, ids, finished = "", [], False

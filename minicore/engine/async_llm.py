@@ -1,0 +1,175 @@
+"""AsyncLLM: generate and abort on the frontend's event loop, over engine processes.
+
+Mirrors vllm/v1/engine/async_llm.py: requests go through the InputProcessor (checked and turned
+into EngineCoreRequests), out through the engine core client (minicore/engine/core_client.py), and
+their outputs come back through one output handler task into the OutputProcessor, which feeds each
+request's stream. The server (minicore/entrypoints/) and the benchmarks drive it.
+
+Streams are cumulative (each RequestOutput has all text and token ids so far) and coalescing: a
+consumer that falls behind gets the newest state, not a backlog. When the engine dies, every
+stream in flight ends with EngineDeadError at once. Left out: several API servers, logprobs,
+n > 1 fan-out (the server makes one request per choice), LoRA, pooling.
+"""
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from minicore.config import EngineConfig
+from minicore.engine.core_client import EngineDeadError, make_async_mp_client
+from minicore.engine.input_processor import InputProcessor, Prompt
+from minicore.engine.launch import resolve_model
+from minicore.engine.output_processor import OutputProcessor, RequestOutputCollector
+from minicore.outputs import RequestOutput
+from minicore.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from minicore.sampling_params import SamplingParams
+from minicore.utils import freeze_gc_heap
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class AsyncLLM:
+    """Use `await AsyncLLM.from_engine_config(config)`, and `await llm.shutdown()` at the end."""
+
+    def __init__(self, config: EngineConfig, tokenizer, vocab_size: int, model_name: str,
+                 engine_core):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.model_name = model_name
+        self.num_engines = config.parallel_config.data_parallel_size
+        self.input_processor = InputProcessor(config, tokenizer, vocab_size)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.engine_core = engine_core
+        engine_core.on_dead = self.output_processor.fail_all
+        # The newest scheduler stats of each engine, by engine index.
+        self.latest_stats: dict[int, SchedulerStats] = {}
+        self.output_handler = asyncio.create_task(self._run_output_handler())
+        self.output_handler.add_done_callback(self._on_output_handler_done)
+
+    @classmethod
+    async def from_engine_config(cls, config: EngineConfig, *, startup_timeout: float = 300.0,
+                                 model_name: str | None = None) -> "AsyncLLM":
+        """Resolve the model (a GGUF is converted once to a cached safetensors directory, so the
+        frontend and the engines read the same files), load the tokenizer, start the engines and
+        wait for every one (local or not) to be READY."""
+        from minicore.model.loader import load_tokenizer
+
+        name = model_name or config.model_config.model or DEFAULT_MODEL_NAME
+        config = await asyncio.to_thread(resolve_model, config)
+        tokenizer, vocab_size = await asyncio.to_thread(load_tokenizer, config.model_config.model)
+        engine_core = await make_async_mp_client(config, startup_timeout)
+        # The frontend's startup heap is static too (transformers, the tokenizer).
+        freeze_gc_heap()
+        return cls(config, tokenizer, vocab_size, name, engine_core)
+
+    # ---- health --------------------------------------------------------------------------------
+
+    @property
+    def errored(self) -> bool:
+        return self.engine_core.errored
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.engine_core.is_healthy
+
+    @property
+    def num_blocks(self) -> int:
+        """KV cache blocks of the smallest engine."""
+        return min(self.engine_core.num_blocks.values())
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    async def generate(self, prompt: Prompt | EngineCoreRequest,
+                       sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, *, priority: int = 0,
+                       data_parallel_rank: int | None = None,
+                       prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the request's cumulative RequestOutputs, the last with finished=True.
+
+        prompt: a string, a list of token ids, or an EngineCoreRequest that the InputProcessor
+        already built (then prompt_text is the text it came from, if any, and the other arguments
+        are not used). data_parallel_rank: the engine to run it on (default: the least loaded).
+        Raises ValueError (at the first iteration, before anything is sent) for an invalid
+        request, EngineDeadError if the engine is or becomes dead. A request left unfinished is
+        aborted in the engine when the iterator is closed: at once if the consumer closes it
+        (contextlib.aclosing, as a server should) or is cancelled while it waits for an output;
+        else only once the iterator is garbage collected.
+        """
+        if self.errored:
+            raise self.engine_core.dead_error
+        if isinstance(prompt, EngineCoreRequest):
+            request = prompt
+        else:
+            request = self.input_processor.process_inputs(
+                request_id, prompt, sampling_params, priority=priority,
+                data_parallel_rank=data_parallel_rank)
+            prompt_text = prompt if isinstance(prompt, str) else None
+        queue = RequestOutputCollector()
+        state = self.output_processor.add_request(request, prompt_text, queue)
+        try:
+            state.engine_index = self.engine_core.add_request(request)
+        except EngineDeadError:
+            self.output_processor.request_states.pop(request.request_id, None)
+            raise
+        try:
+            while True:
+                output = await queue.get()
+                yield output
+                if output.finished:
+                    return
+        finally:
+            if not state.finished and queue.error is None:
+                self._abort([request.request_id])
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request: the engine frees it, and its stream ends with finish_reason "abort".
+        Unknown or finished requests are ignored."""
+        self._abort([request_id])
+
+    def _abort(self, request_ids: list[str]) -> None:
+        aborted = self.output_processor.abort_requests(request_ids)
+        if aborted:
+            self.engine_core.abort_requests([state.request_id for state in aborted])
+
+    async def call_utility(self, method: str, *args, engine_index: int = 0) -> Any:
+        """Call an engine utility ("get_stats", "reset_prefix_cache", "ping") on one engine."""
+        return await self.engine_core.call_utility_async(method, *args, engine_index=engine_index)
+
+    # ---- outputs -------------------------------------------------------------------------------
+
+    async def _run_output_handler(self) -> None:
+        while True:
+            try:
+                outputs = await self.engine_core.get_output_async()
+            except EngineDeadError:
+                return  # every stream has been failed
+            self._process_outputs(outputs)
+            # A recv of a frame already queued completes without yielding: let the consumers
+            # take this output before the next, or an engine that runs ahead starves them.
+            await asyncio.sleep(0)
+
+    def _process_outputs(self, outputs: EngineCoreOutputs) -> None:
+        if outputs.scheduler_stats is not None:
+            self.latest_stats[outputs.engine_index] = outputs.scheduler_stats
+        if outputs.outputs:
+            processed = self.output_processor.process_outputs(outputs.outputs)
+            if processed.reqs_to_abort:
+                # Stop strings ended them here: the engine does not know.
+                self.engine_core.abort_requests(processed.reqs_to_abort)
+
+    def _on_output_handler_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and (error := task.exception()) is not None:
+            # Nothing would deliver outputs any more: as good as a dead engine.
+            logger.error("the output handler failed", exc_info=error)
+            self.engine_core.set_dead(f"the frontend's output handler failed ({error!r})")
+
+    # ---- shutdown ------------------------------------------------------------------------------
+
+    async def shutdown(self) -> None:
+        """Stop the engines, fail what is still in flight, close the sockets. Idempotent."""
+        self.output_handler.cancel()
+        await self.engine_core.shutdown()

@@ -1,0 +1,312 @@
+"""The frontend's side of the engine sockets: requests out, outputs in, engines watched.
+
+Mirrors AsyncMPClient and DPLBAsyncMPClient in vllm/v1/engine/core_client.py. make_async_mp_client
+starts this machine's engine processes (minicore/engine/launch.py), binds the sockets every engine
+connects to (ranks on other machines too), and waits for each engine's READY. Requests and aborts
+leave on a ROUTER socket (msgspec msgpack, one frame per message, never blocking), outputs arrive
+on a PULL socket. With data parallelism, DPLBAsyncMPClient picks each request's engine and keeps
+the engines' waves going with a DPCoordinator (minicore/dp/coordinator.py).
+
+Supervision: when an engine process exits, sends ENGINE_CORE_DEAD, or a send to it fails, the
+client turns dead: it stops the other local engines (DP ranks cannot go on without a peer),
+fails pending utility calls, and tells its owner through on_dead, which fails the requests in
+flight. A malformed output frame, or one from an engine that does not exist, is logged and
+dropped. Left out: several API servers sharing one coordinator process, elastic scaling.
+"""
+
+import asyncio
+import functools
+import itertools
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from minicore.config import EngineConfig
+from minicore.dp.coordinator import DPCoordinator
+from minicore.engine.launch import CoreEngineProcManager, wait_for_engine_startup
+from minicore.protocol import (
+    ENGINE_CORE_DEAD,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+)
+from minicore.utils import make_zmq_socket
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process died: in-flight and later requests fail with this."""
+
+
+async def make_async_mp_client(config: EngineConfig, startup_timeout: float) -> "AsyncMPClient":
+    """Start the engines and wait until every one (local or not) is READY."""
+    dp = config.parallel_config.data_parallel_size > 1
+    client = DPLBAsyncMPClient(config) if dp else AsyncMPClient(config)
+    try:
+        await client.start(startup_timeout)
+    except BaseException:
+        await client.shutdown()
+        raise
+    return client
+
+
+class AsyncMPClient:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.num_engines = config.parallel_config.data_parallel_size
+        # Each engine's KV cache blocks, from its READY.
+        self.num_blocks: dict[int, int] = {}
+        # Called once, with the error, when the client turns dead.
+        self.on_dead: Callable[[EngineDeadError], None] | None = None
+        self.manager: CoreEngineProcManager | None = None
+        self._dead_reason: str | None = None
+        self._shutting_down = False
+        self._utility_calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self._identities = [i.to_bytes(2, "little") for i in range(self.num_engines)]
+        self._tmpdir = tempfile.mkdtemp(prefix="minicore-")
+        self.ctx = zmq.Context()
+        self.output_socket: zmq.asyncio.Socket | None = None
+        # Resolves, with the reason, when the first local engine process exits.
+        self._engine_exited = asyncio.get_running_loop().create_future()
+
+    @property
+    def procs(self) -> dict:
+        """This machine's engine processes, by DP rank (ranks on other machines have none)."""
+        return self.manager.procs if self.manager is not None else {}
+
+    # ---- startup -------------------------------------------------------------------------------
+
+    def _bind(self, socket_type: int, name: str) -> zmq.Socket:
+        """Bind a frontend socket: ipc for one engine; tcp with data parallelism, so that ranks on
+        other machines can connect (the handshake at rpc_port + 1, the others on free ports)."""
+        pc = self.config.parallel_config
+        if self.num_engines == 1:
+            address = f"ipc://{self._tmpdir}/{name}"
+        elif name == "handshake":
+            address = f"tcp://{pc.data_parallel_address}:{pc.data_parallel_rpc_port + 1}"
+        else:
+            address = f"tcp://{pc.data_parallel_address}:*"
+        try:
+            return make_zmq_socket(self.ctx, address, socket_type, bind=True)
+        except zmq.ZMQError as e:
+            raise RuntimeError(f"the frontend cannot listen on {address}: {e}") from None
+
+    async def start(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        # Sync: sends never block (no high-water mark) and cost no future each.
+        self.input_socket = self._bind(zmq.ROUTER, "input")
+        # Sending to an engine that is gone raises instead of dropping the message silently.
+        self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        output_socket = self._bind(zmq.PULL, "output")
+        self.output_socket = zmq.asyncio.Socket.from_socket(output_socket)
+        handshake = zmq.asyncio.Socket.from_socket(self._bind(zmq.ROUTER, "handshake"))
+        addresses = msgspec.msgpack.encode({
+            "input": self.input_socket.getsockopt_string(zmq.LAST_ENDPOINT),
+            "output": output_socket.getsockopt_string(zmq.LAST_ENDPOINT)})
+        try:
+            self.manager = CoreEngineProcManager(
+                self.config, handshake.getsockopt_string(zmq.LAST_ENDPOINT))
+            loop = asyncio.get_running_loop()
+            for rank, proc in self.manager.procs.items():
+                loop.add_reader(proc.sentinel, functools.partial(self._on_engine_exit, rank))
+            self.num_blocks = await wait_for_engine_startup(
+                handshake, addresses, self.num_engines, self.manager.procs, deadline,
+                self._engine_exited)
+            self._take_first_input_frames(deadline)
+        finally:
+            handshake.close(linger=0)
+        logger.info("%d engine core(s) ready: KV blocks by engine %s", self.num_engines,
+                    self.num_blocks)
+
+    def _take_first_input_frames(self, deadline: float) -> None:
+        """Each engine's first frame on the input socket lets the ROUTER route to it. It was sent
+        before the model load, so it is here by now (a blocking poll, as vLLM's)."""
+        for _ in range(self.num_engines):
+            if not self.input_socket.poll(timeout=max(0, int((deadline - time.monotonic()) * 1000))):
+                raise TimeoutError("an engine core's first input frame did not arrive")
+            self.input_socket.recv_multipart()
+
+    # ---- health --------------------------------------------------------------------------------
+
+    @property
+    def errored(self) -> bool:
+        return self._dead_reason is not None
+
+    @property
+    def is_healthy(self) -> bool:
+        return not self.errored and all(proc.is_alive() for proc in self.procs.values())
+
+    @property
+    def dead_error(self) -> EngineDeadError:
+        return EngineDeadError(f"the engine core is dead: {self._dead_reason}")
+
+    def _on_engine_exit(self, rank: int) -> None:
+        proc = self.procs[rank]
+        asyncio.get_running_loop().remove_reader(proc.sentinel)
+        # The sentinel turns readable as the process exits, a moment before it can be reaped.
+        proc.join(1.0)
+        reason = f"engine core {rank}'s process exited with code {proc.exitcode}"
+        self.set_dead(reason)
+        if not self._engine_exited.done():
+            self._engine_exited.set_result(reason)
+
+    def set_dead(self, reason: str) -> None:
+        """Turn dead (once): stop the local engines, fail utility calls, tell on_dead."""
+        if self._dead_reason is not None:
+            return
+        self._dead_reason = reason
+        if not self._shutting_down:
+            logger.error("the engine core is dead: %s", reason)
+            if self.manager is not None:
+                self.manager.terminate()
+        error = self.dead_error
+        for future in self._utility_calls.values():
+            if not future.done():
+                future.set_exception(error)
+        self._utility_calls.clear()
+        if self.on_dead is not None:
+            self.on_dead(error)
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> int:
+        """Send a request to its engine; returns the engine's index."""
+        self._send(EngineCoreRequestType.ADD, request)
+        return 0
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort requests in the engine (never raises: a dead engine has nothing to abort)."""
+        self._send(EngineCoreRequestType.ABORT, request_ids, raise_if_dead=False)
+
+    async def call_utility_async(self, method: str, *args, engine_index: int = 0) -> Any:
+        """Call an engine utility ("get_stats", "reset_prefix_cache", "ping") on one engine and
+        return its result; RuntimeError if it failed in the engine."""
+        if self.errored:
+            raise self.dead_error
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._utility_calls[call_id] = future
+        self._send(EngineCoreRequestType.UTILITY, (call_id, method, args), engine_index)
+        return await future
+
+    def _send(self, request_type: EngineCoreRequestType, payload, engine_index: int = 0,
+              raise_if_dead: bool = True) -> None:
+        if self.errored:
+            if raise_if_dead:
+                raise self.dead_error
+            return
+        try:
+            self.input_socket.send_multipart(
+                (self._identities[engine_index], request_type.value,
+                 self._encoder.encode(payload)), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            self.set_dead(f"sending to it failed ({e})")
+            if raise_if_dead:
+                raise self.dead_error from e
+
+    # ---- outputs -------------------------------------------------------------------------------
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        """The next frame of outputs from any engine; raises EngineDeadError on ENGINE_CORE_DEAD.
+        Utility results are settled here."""
+        while True:
+            frame = await self.output_socket.recv()
+            if frame == ENGINE_CORE_DEAD:
+                self.set_dead("an engine core reported a fatal error (ENGINE_CORE_DEAD)")
+                raise self.dead_error
+            try:
+                outputs = self._decoder.decode(frame)
+            except msgspec.MsgspecError as e:
+                logger.error("dropped a malformed frame on the output socket (%d bytes): %s",
+                             len(frame), e)
+                continue
+            if not 0 <= outputs.engine_index < self.num_engines:
+                logger.error("dropped a frame from engine %d, which does not exist",
+                             outputs.engine_index)
+                continue
+            self._process_engine_outputs(outputs)
+            return outputs
+
+    def _process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:
+        if (result := outputs.utility_output) is None:
+            return
+        future = self._utility_calls.pop(result.call_id, None)
+        if future is not None and not future.done():
+            if result.failure_message is None:
+                future.set_result(result.result)
+            else:
+                future.set_exception(RuntimeError(result.failure_message))
+
+    # ---- shutdown ------------------------------------------------------------------------------
+
+    async def shutdown(self) -> None:
+        """Stop the local engines (SIGTERM, then SIGKILL after a timeout), fail what is still
+        pending, close the sockets. Safe to call more than once."""
+        if self._shutting_down:
+            return
+        self._shutting_down = True
+        self.set_dead("the client was shut down")
+        if self.manager is not None:
+            loop = asyncio.get_running_loop()
+            for proc in self.manager.procs.values():
+                loop.remove_reader(proc.sentinel)
+            await asyncio.to_thread(self.manager.close)
+        if self.output_socket is not None:
+            # Closing the asyncio socket first unregisters it from the event loop.
+            self.output_socket.close(linger=0)
+        self.ctx.destroy(linger=0)
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+
+class DPLBAsyncMPClient(AsyncMPClient):
+    """Several engines: each request goes to the least loaded (or the one it names), and the
+    engines' waves are started as requests arrive."""
+
+    def __init__(self, config: EngineConfig):
+        super().__init__(config)
+        self.coordinator = DPCoordinator(self.num_engines)
+        # The engine of every request in flight, for its abort.
+        self.reqs_in_flight: dict[str, int] = {}
+
+    def add_request(self, request: EngineCoreRequest) -> int:
+        engine_index = self.coordinator.select_engine(request.data_parallel_rank)
+        request.current_wave = self.coordinator.current_wave
+        self._send(EngineCoreRequestType.ADD, request, engine_index)
+        self.reqs_in_flight[request.request_id] = engine_index
+        if (start := self.coordinator.on_request_sent(engine_index)) is not None:
+            self._start_wave(*start)
+        return engine_index
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        by_engine: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            if (engine_index := self.reqs_in_flight.pop(request_id, None)) is not None:
+                by_engine.setdefault(engine_index, []).append(request_id)
+        for engine_index, ids in by_engine.items():
+            self._send(EngineCoreRequestType.ABORT, ids, engine_index, raise_if_dead=False)
+
+    def _start_wave(self, wave: int, exclude_engine_index: int) -> None:
+        """Wake the engines for a wave (the one given the request that starts it wakes itself)."""
+        for engine_index in range(self.num_engines):
+            if engine_index != exclude_engine_index:
+                self._send(EngineCoreRequestType.START_DP_WAVE, (wave, exclude_engine_index),
+                           engine_index, raise_if_dead=False)
+
+    def _process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:
+        super()._process_engine_outputs(outputs)
+        if (start := self.coordinator.on_outputs(outputs)) is not None:
+            self._start_wave(*start)
+        for output in outputs.outputs:
+            if output.finished:
+                self.reqs_in_flight.pop(output.request_id, None)

@@ -1,0 +1,218 @@
+"""Start this machine's engine processes, bring them up, and watch them.
+
+Mirrors vllm/v1/engine/utils.py (CoreEngineProcManager, launch_core_engines,
+wait_for_engine_startup) and EngineCoreProc.run_engine_core (vllm/v1/engine/core.py), the entry
+point of every engine process. The frontend (minicore/engine/core_client.py) and headless DP ranks
+(minicore/dp/launch.py) both start their engines here.
+
+Startup handshake (the frontend binds, every engine connects, in any order):
+  engine -> frontend  HELLO {"status": "HELLO", "engine_index": i}          (handshake socket)
+  frontend -> engine  {"input": address, "output": address}
+  engine connects its DEALER input (identity = i as 2 bytes) and PUSH output, sends an empty frame
+  on the input so the frontend's ROUTER learns its identity, builds its EngineCore (loads the
+  model), then: engine -> frontend  READY {"status": "READY", "num_gpu_blocks": KV blocks}
+Left out: Ray, elastic scaling, several API servers.
+"""
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import time
+
+import msgspec
+import uvloop
+import zmq.asyncio
+
+from minicore.config import EngineConfig
+from minicore.engine.core_proc import HANDSHAKE_TIMEOUT_S, EngineCoreProc
+
+logger = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 5.0
+
+
+def resolve_model(config: EngineConfig) -> EngineConfig:
+    """The config with its model resolved to a safetensors directory (a GGUF is converted once and
+    cached), so that the frontend and every engine read the same files."""
+    from minicore.model.loader import resolve_model_dir
+
+    model_dir = str(resolve_model_dir(config.model_config.model))
+    return dataclasses.replace(
+        config, model_config=dataclasses.replace(config.model_config, model=model_dir))
+
+
+# ---- in the engine process ----------------------------------------------------------------------
+
+def run_engine_core(config: EngineConfig, handshake_address: str, engine_index: int = 0, *,
+                    handshake_timeout: float = HANDSHAKE_TIMEOUT_S) -> None:
+    """Entry point of an engine process (multiprocessing "spawn"): handshake, load the model, serve
+    until SIGTERM/SIGINT (exit 0) or a fatal error (ENGINE_CORE_DEAD, exit 1)."""
+    _configure_process(config, engine_index)
+    shutdown_requested = False
+
+    def signal_handler(signum, frame):
+        # Until the event loop takes over the signals (startup: handshake, model load).
+        nonlocal shutdown_requested
+        if not shutdown_requested:
+            shutdown_requested = True
+            raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, signal_handler)
+    signal.signal(signal.SIGINT, signal_handler)
+    engine_core: EngineCoreProc | None = None
+    fatal = False
+    try:
+        engine_core_cls = EngineCoreProc
+        if config.parallel_config.data_parallel_size > 1:
+            # Imported here: a single engine needs neither the DP group nor torch.distributed.
+            from minicore.dp.engine import DPEngineCoreProc
+
+            # The one place a rank is written into its config: each process has its own copy.
+            config.parallel_config.data_parallel_rank = engine_index
+            engine_core_cls = DPEngineCoreProc
+        engine_core = engine_core_cls(config, handshake_address, engine_index, handshake_timeout)
+        uvloop.run(engine_core.run())
+        logger.info("EngineCore exiting.")
+    except SystemExit:
+        logger.info("EngineCore exiting.")
+        raise
+    except Exception:
+        fatal = True
+        if engine_core is None:
+            logger.exception("EngineCore failed to start.")
+        # A fatal error after startup was logged, and ENGINE_CORE_DEAD sent, by run().
+        sys.exit(1)
+    finally:
+        if engine_core is not None:
+            engine_core.close(fatal)
+
+
+def _configure_process(config: EngineConfig, engine_index: int) -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.INFO,
+            format=f"%(asctime)s %(levelname)s [EngineCore_{engine_index} pid={os.getpid()}] "
+                   "%(name)s: %(message)s")
+    if config.model_config.runner == "simulated":
+        return
+    import torch
+
+    device = config.model_config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.device(device).type == "cpu":
+        # On few cores, OpenMP threads that compete with the frontend's busy core are much slower
+        # than one thread fewer (17x measured on 2 cores with two threads); the local DP ranks
+        # share what is left.
+        num_local = config.parallel_config.data_parallel_size_local or 1
+        threads = (os.environ.get("MINICORE_CPU_THREADS")
+                   or max(1, ((os.cpu_count() or 1) - 1) // num_local))
+        torch.set_num_threads(int(threads))
+
+
+# ---- in the process that starts them (the frontend, or a headless launcher) -------------------
+
+async def wait_for_engine_startup(handshake: zmq.asyncio.Socket, addresses: bytes,
+                                  num_engines: int, local_ranks, deadline: float,
+                                  engine_exited: asyncio.Future) -> dict[int, int]:
+    """HELLO, then READY, from every engine, in any order: answer each HELLO with the addresses to
+    connect to. Returns each engine's number of KV blocks. engine_exited resolves, with the reason,
+    when a local engine process exits: then startup fails at once instead of at the deadline."""
+    engines = set(range(num_engines))
+    waiting_hello, num_blocks = set(engines), {}
+    while len(num_blocks) < num_engines:
+        what = (f"HELLO from engine(s) {sorted(waiting_hello)}" if waiting_hello
+                else f"READY from engine(s) {sorted(engines - set(num_blocks))}")
+        recv = asyncio.ensure_future(handshake.recv_multipart())
+        done, _ = await asyncio.wait({recv, engine_exited},
+                                     timeout=max(0.0, deadline - time.monotonic()),
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if recv not in done:
+            recv.cancel()
+            raise _startup_error(what, engine_exited, sorted(engines - set(local_ranks)))
+        identity, frame = recv.result()
+        message, index = msgspec.msgpack.decode(frame), int.from_bytes(identity, "little")
+        status = message.get("status") if isinstance(message, dict) else None
+        if status == "HELLO" and index in waiting_hello:
+            waiting_hello.remove(index)
+            await handshake.send_multipart([identity, addresses])
+        elif status == "READY" and index < num_engines and index not in waiting_hello:
+            num_blocks[index] = message["num_gpu_blocks"]
+        else:
+            raise RuntimeError(f"engine handshake: unexpected {message!r} from engine {index} "
+                               f"(a DP rank started twice, or outside the data parallel size "
+                               f"{num_engines}?)")
+    return num_blocks
+
+
+def _startup_error(what: str, engine_exited: asyncio.Future, remote: list[int]) -> Exception:
+    if engine_exited.done():
+        return RuntimeError(f"{engine_exited.result()} during startup, while waiting for {what}; "
+                            "see its log above")
+    hint = f" (ranks {remote} are not started here: start them with --headless)" if remote else ""
+    return TimeoutError(f"no {what} within the startup timeout{hint}")
+
+
+class CoreEngineProcManager:
+    """This machine's engine processes ("spawn"), one per local DP rank, by rank. They are
+    daemons: they do not outlive the process that started them."""
+
+    def __init__(self, config: EngineConfig, handshake_address: str):
+        self.procs: dict[int, multiprocessing.Process] = {}
+        context = multiprocessing.get_context("spawn")
+        for local_rank, rank in enumerate(config.parallel_config.local_ranks):
+            proc = context.Process(target=run_engine_core, name=f"EngineCore_DP{rank}",
+                                   daemon=True, args=(config, handshake_address, rank))
+            with _visible_device(config, local_rank):
+                proc.start()
+            self.procs[rank] = proc
+
+    def terminate(self) -> None:
+        """SIGTERM to every process still alive; does not wait."""
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.terminate()
+
+    def close(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM, then SIGKILL to what has not stopped within timeout; blocks until all are
+        reaped."""
+        self.terminate()
+        deadline = time.monotonic() + timeout
+        for rank, proc in self.procs.items():
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                logger.warning("engine core %d did not stop within %g s: killing it", rank, timeout)
+                proc.kill()
+                proc.join(timeout)
+
+
+@contextlib.contextmanager
+def _visible_device(config: EngineConfig, local_rank: int):
+    """On CUDA with several local DP ranks, the process started here sees only its own GPU (as
+    vLLM sets CUDA_VISIBLE_DEVICES per engine process)."""
+    mc = config.model_config
+    if (config.parallel_config.data_parallel_size_local < 2 or mc.runner == "simulated"
+            or (mc.device or "cuda").startswith("cpu")):
+        yield
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        yield
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if local_rank >= len(devices):
+        raise ValueError(f"{config.parallel_config.data_parallel_size_local} local DP ranks need "
+                         f"as many GPUs; this machine has {len(devices)}")
+    os.environ["CUDA_VISIBLE_DEVICES"] = devices[local_rank]
+    try:
+        yield
+    finally:
+        if visible is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible

@@ -1,0 +1,67 @@
+"""What every model runner shares: the interface the engine core drives, and the state it keeps.
+
+ModelRunnerInterface is the contract between EngineCore (minicore/engine/core.py) and a runner:
+ModelRunner (minicore/model/runner.py, a real transformers model, mirroring
+vllm/v1/worker/gpu_model_runner.py) and SimulatedModelRunner (minicore/model/simulated.py, a
+labelled simulation) implement it. ModelRunnerBase keeps each request's tokens, block table and
+progress between steps from the SchedulerOutputs, as GPUModelRunner._update_states does with
+CachedRequestState (vllm/v1/worker/gpu_input_batch.py). Pure Python, so the simulated runner
+loads no torch. Left out: the persistent input batch and its reordering.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from minicore.outputs import ModelRunnerOutput
+from minicore.sampling_params import SamplingParams
+from minicore.scheduler.output import SchedulerOutput
+
+
+class ModelRunnerInterface(Protocol):
+    # KV cache blocks, block 0 (the null block) included; known once the runner is built.
+    num_blocks: int
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step's batch and sample; a request mid-prefill samples nothing."""
+        ...
+
+    def execute_dummy_batch(self) -> None:
+        """One token through the model with its KV written to the null block only: what a DP rank
+        with nothing to do runs while its peers step (minicore/dp/engine.py)."""
+        ...
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    """What a runner remembers of a request between steps."""
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+    # The real runner's torch.Generator for a seeded request.
+    generator: Any = None
+
+
+class ModelRunnerBase:
+    def __init__(self):
+        self.requests: dict[str, CachedRequestState] = {}
+
+    def _make_generator(self, seed: int | None) -> Any:
+        """A seeded request's random generator; the real runner's is a torch.Generator."""
+        return None
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        """Forget finished and preempted requests (a preempted one comes back as new), add the new
+        ones, and extend the others' block tables and progress."""
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = CachedRequestState(
+                list(new.token_ids), list(new.block_ids), new.num_computed_tokens,
+                new.sampling_params, self._make_generator(new.sampling_params.seed))
+        cached = so.scheduled_cached_reqs
+        for req_id, new_block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
+                                                        cached.num_computed_tokens):
+            state = self.requests[req_id]
+            state.block_ids.extend(new_block_ids)
+            state.num_computed_tokens = num_computed

@@ -1,0 +1,131 @@
+"""The command line's engine flags, made from the config dataclasses by add_engine_cli_args: one
+flag per user-facing field with the dataclass's default, vLLM's flag names, and a bad value refused
+by argparse (exit code 2) or by the config (ValueError). Parsing only: no engine starts."""
+
+import argparse
+from collections import Counter
+from dataclasses import fields
+
+import pytest
+
+import minicore.__main__ as cli
+from minicore.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
+                             SchedulerConfig, SimulatedCost, create_engine_config,
+                             engine_kwargs_from_cli)
+
+CONFIGS = (ModelConfig, SchedulerConfig, CacheConfig, ParallelConfig)
+RUNTIME_FIELDS = {"num_blocks", "data_parallel_rank"}
+
+
+def engine_config(argv: list[str]) -> EngineConfig:
+    args = cli.make_parser().parse_args(argv)
+    exclude = cli.GENERATE_EXCLUDE if args.command == "generate" else ()
+    return create_engine_config(**engine_kwargs_from_cli(args, exclude))
+
+
+def flag_counts(command: str) -> Counter:
+    """How many flags set each destination in the subcommand's parser."""
+    sub = next(a for a in cli.make_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return Counter(a.dest for a in sub.choices[command]._actions)
+
+
+@pytest.mark.parametrize("argv", [["serve"], ["generate", "hi"]])
+def test_defaults_are_the_dataclass_defaults(argv):
+    assert engine_config(argv) == EngineConfig()
+
+
+def test_serve_has_one_flag_per_user_facing_field():
+    counts = flag_counts("serve")
+    for cls in CONFIGS:
+        for f in fields(cls):
+            assert counts[f.name] == (0 if f.name in RUNTIME_FIELDS else 1), f.name
+
+
+def test_generate_has_the_engine_flags_but_data_parallel_and_runner():
+    counts = flag_counts("generate")
+    left_out = RUNTIME_FIELDS | {"runner", "simulated_cost"}
+    for cls in CONFIGS:
+        for f in fields(cls):
+            dp = cls is ParallelConfig or f.name.startswith("balance_")
+            assert counts[f.name] == (0 if dp or f.name in left_out else 1), f.name
+
+
+def test_generate_seed_seeds_the_requests_not_the_engine():
+    args = cli.make_parser().parse_args(["generate", "hi", "--seed", "5"])
+    assert args.seed == 5
+    assert engine_config(["generate", "hi", "--seed", "5"]).model_config.seed == 0
+
+
+def test_serve_flags_round_trip():
+    config = engine_config([
+        "serve", "--max-num-seqs", "7", "--no-enable-prefix-caching", "--scheduling-policy",
+        "priority", "-dp", "2", "--balance-scheduling", "--balance-threshold", "full",
+        "--simulated-cost", '{"step_s": 0.01}', "--runner", "simulated", "--seed", "3",
+        "--kv-cache-memory", "4096", "--gpu-memory-utilization", "0.5", "-dpl", "1", "-dpr", "1",
+        "-dpa", "10.0.0.2", "-dpp", "30000"])
+    sched, cache, model, par = (config.scheduler_config, config.cache_config,
+                                config.model_config, config.parallel_config)
+    assert (sched.max_num_seqs, sched.policy) == (7, "priority")
+    assert (sched.balance_scheduling, sched.balance_threshold) == (True, "full")
+    assert (cache.enable_prefix_caching, cache.kv_cache_memory, cache.gpu_memory_utilization) \
+        == (False, 4096, 0.5)
+    assert (model.runner, model.seed, model.simulated_cost) == ("simulated", 3, SimulatedCost(0.01))
+    assert (par.data_parallel_size, par.data_parallel_size_local, par.data_parallel_start_rank,
+            par.data_parallel_address, par.data_parallel_rpc_port) == (2, 1, 1, "10.0.0.2", 30000)
+
+
+def test_generate_flags_round_trip():
+    config = engine_config(["generate", "hi", "--model", "m.gguf", "--dtype", "float16",
+                            "--no-enable-chunked-prefill", "--max-num-batched-tokens", "4096",
+                            "--max-model-len", "1024", "--block-size", "32",
+                            "--long-prefill-token-threshold", "64"])
+    assert (config.model_config.model, config.model_config.dtype) == ("m.gguf", "float16")
+    sched = config.scheduler_config
+    assert (sched.enable_chunked_prefill, sched.max_num_batched_tokens, sched.max_model_len,
+            sched.long_prefill_token_threshold) == (False, 4096, 1024, 64)
+    assert config.cache_config.block_size == 32
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--scheduling-policy", "lifo"], "invalid choice: 'lifo'"),
+    (["serve", "--balance-threshold", "half"], "invalid choice: 'half'"),
+    (["serve", "--max-num-seqs", "x"], "invalid int value: 'x'"),
+    (["serve", "--simulated-cost", '{"bogus": 1}'],
+     "--simulated-cost: expected a JSON object with keys among step_s, prefill_token_s"),
+    (["serve", "--simulated-cost", "step_s=1"], "--simulated-cost: not JSON"),
+    (["serve", "--simulated-cost", '{"step_s": -1}'], "step_s must be >= 0 seconds"),
+    (["serve", "--num-blocks", "8"], "unrecognized arguments: --num-blocks"),
+    (["serve", "--data-parallel-rank", "1"], "unrecognized arguments: --data-parallel-rank"),
+    (["generate", "hi", "-dp", "2"], "unrecognized arguments: -dp"),
+    (["generate", "hi", "--runner", "simulated"], "unrecognized arguments: --runner"),
+])
+def test_bad_flags_are_argparse_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--max-num-seqs", "0"], "max_num_seqs must be >= 1"),
+    (["serve", "--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in"),
+    (["serve", "--balance-scheduling"], "data_parallel_size >= 2"),
+    (["generate", "hi", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "16"],
+     "without chunked prefill"),
+])
+def test_bad_values_are_config_errors(argv, message):
+    with pytest.raises(ValueError, match=message):
+        engine_config(argv)
+
+
+def test_help_groups_the_flags_by_config(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    titles = [out.index(f"\n{title}:\n") for title in ("model", "scheduler", "cache",
+                                                      "data parallel")]
+    assert titles == sorted(titles)
+    assert "--enable-prefix-caching, --no-enable-prefix-caching" in out
+    assert "--data-parallel-size DATA_PARALLEL_SIZE, -dp DATA_PARALLEL_SIZE" in out
+    assert out.index("\n  --headless ") > titles[-1]
