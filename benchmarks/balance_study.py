@@ -1,12 +1,12 @@
 """Balance scheduling study: data-parallel engines with and without vllm-ascend's balance gate, side
-by side in one run, in the seed's columns (vllm-ascend PR #5212: DeepSeek-V3.1, 3.5K in / 1.5K out,
+by side in one run, in the columns of vllm-ascend PR #5212's table (DeepSeek-V3.1, 3.5K in / 1.5K out,
 512 requests, batch 128; balance gave +18% output throughput, -19% TPOT, +6% TTFT).
 
 Each variant starts its own AsyncLLM (in-process frontend, real engine processes, a real
 gloo DP group on a free port pair) and runs the same workload: fixed input length, distinct random
 prompt ids per request (seeded; prefix caching off, so every prefill is paid), EOS ignored, fixed
 output length unless --output-range-ratio spreads it. The default client is a closed loop whose
-concurrency is the engines' total slots, like the seed's `bench serve --max-concurrency` (why:
+concurrency is the engines' total slots, like the PR's `bench serve --max-concurrency` (why:
 docs/BALANCE_STUDY.md); --client burst sends everything at once. TTFT and TPOT come from the
 RequestOutputs the frontend streams: first output - send, and (last output - first output) /
 (output tokens - 1). Before the variants, the balance gather alone is timed between dp processes:

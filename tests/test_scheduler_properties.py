@@ -19,7 +19,7 @@ model gives it when run alone without preemption, and every block is free again.
 
 A stateful test also checks ``FreeKVCacheBlockQueue`` against a plain list model.
 
-Written against /tmp/spec/SCHED_SPEC.md and DESIGN.md "The scheduler".
+Written against the semantics of vLLM's v1 scheduler (vllm/v1/core/sched/scheduler.py).
 """
 
 from __future__ import annotations
