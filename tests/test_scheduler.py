@@ -323,6 +323,28 @@ def test_priority_victim_already_scheduled_returns_its_budget(prefix_caching):
     assert [r.request_id for r in s.waiting] == ["x"]
 
 
+def test_two_priority_victims_already_scheduled_for_one_request():
+    # running is [b, a, c, d]; b and a decode within their blocks, then c's next chunk needs two
+    # blocks from an empty pool: a, then b (both scheduled before c) are unscheduled and
+    # preempted. c moves from index 2 to 0, and d after it is still scheduled, not skipped.
+    s = make_scheduler(block_size=4, num_blocks=6, max_num_batched_tokens=16, max_model_len=64,
+                       long_prefill_token_threshold=8, policy="priority")
+    s.add_request(make_request("a", 2, priority=2, arrival_time=0.0))
+    s.add_request(make_request("b", 2, priority=1, arrival_time=1.0))
+    step(s)
+    s.add_request(make_request("c", 16, priority=0, arrival_time=2.0))
+    s.add_request(make_request("d", 2, priority=0, arrival_time=3.0))
+    assert step(s)[0].num_scheduled_tokens == {"b": 1, "a": 1, "c": 8, "d": 2}
+    assert num_free(s) == 0
+    out, _ = step(s)
+    assert out.preempted_req_ids == {"a", "b"}
+    assert out.num_scheduled_tokens == {"c": 8, "d": 1}
+    assert cached_req_ids(out) == ["c", "d"]
+    assert out.total_num_scheduled_tokens == 9
+    assert [r.request_id for r in s.running] == ["c", "d"]
+    assert [r.request_id for r in s.waiting] == ["b", "a"]
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_victim_choice_and_self_preemption_stops_running_pass(policy):
     s = make_scheduler(block_size=4, num_blocks=3, policy=policy)

@@ -1,11 +1,12 @@
 """BalanceScheduler: hold back admission on every DP rank while any rank is (nearly) full.
 
-Mirrors vllm-ascend's balance-scheduling patch (PR #5212; seed 000): BalanceScheduler.schedule's
-gate and balance_gather. Lockstep DP runs every step at the pace of the slowest rank, so admitting
-on an idle rank while another is saturated only lengthens the decode steps that rank's requests
-wait on. Ranks exchange len(running) once per step; while the largest reaches the threshold, no
-rank admits, and the full ranks drain. Left out: nothing of the gate; the gather's placement in the
-DP busy loop lives in minicore/dp/.
+Mirrors the gate of vllm-ascend's balance-scheduling patch (vllm-ascend PR #5212, its
+BalanceScheduler.schedule). Lockstep DP runs every step at the pace of the slowest rank, so
+admitting on an idle rank while another is saturated only lengthens the decode steps that rank's
+requests wait on. While the largest len(running) over the ranks reaches the threshold, no rank
+admits, and the full ranks drain. The counts are written by the DP group after each step (see
+minicore/dp/group.py and minicore/dp/engine.py); this class only reads them, so the scheduler
+package stays free of torch.
 """
 
 from minicore.config import CacheConfig, SchedulerConfig
@@ -15,22 +16,16 @@ from minicore.scheduler.scheduler import Scheduler
 class BalanceScheduler(Scheduler):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, dp_size: int = 1):
         super().__init__(scheduler_config, cache_config)
-        # len(running) of every DP rank, as gathered after the previous step. A plain list so that
-        # tests can set it by hand.
+        # len(running) of every DP rank after the previous step, assigned as a plain list by the
+        # DP group (or by hand in tests).
         self.balance_counts = [0] * dp_size
         full = self.max_num_running_reqs
-        # "seed": the patch as merged (>= max_num_seqs - 1); "full": vllm-ascend's later fix that
-        # admits until a rank is exactly full, after a first-token latency regression.
-        self.balance_limit = full - 1 if scheduler_config.balance_threshold == "seed" else full
+        # "full": admit until a rank is full (the published patch, PR #5212). "seed": stop one
+        # short (>= max_num_seqs - 1, from vllm-ascend PR #7611, reverted in #8675 after a
+        # first-token latency regression). Never below 1: a limit of 0 would shut the gate for
+        # good, so with one slot per rank both thresholds are 1.
+        limit = full - 1 if scheduler_config.balance_threshold == "seed" else full
+        self.balance_limit = max(limit, 1)
 
     def _admission_gated(self) -> bool:
         return max(self.balance_counts) >= self.balance_limit
-
-    def balance_gather(self, group) -> None:
-        """All-gather len(running) over the DP group; every rank must call it at the same point."""
-        import torch
-        import torch.distributed as dist
-
-        gathered = [torch.zeros(1, dtype=torch.int64) for _ in self.balance_counts]
-        dist.all_gather(gathered, torch.tensor([len(self.running)], dtype=torch.int64), group=group)
-        self.balance_counts = [int(t.item()) for t in gathered]

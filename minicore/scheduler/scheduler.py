@@ -3,14 +3,18 @@
 Mirrors vllm/v1/core/sched/scheduler.py. There is no prefill or decode phase: each request has
 num_computed_tokens and num_tokens, and every step hands out a token budget so that the first
 catches up with the second; chunked prefill, prefix caching and preemption by recompute all follow.
+vLLM's Scheduler.schedule is one long function; here its running pass, preemption loop and
+waiting pass are the methods _schedule_running, _preempt_until_fits and _schedule_waiting.
 Left out: speculative decoding, encoders, LoRA, structured output, KV connectors, async scheduling.
 """
+
+from dataclasses import dataclass, field
 
 from minicore.config import CacheConfig, SchedulerConfig
 from minicore.outputs import ModelRunnerOutput
 from minicore.protocol import EngineCoreOutput, SchedulerStats
 from minicore.request import Request, RequestStatus
-from minicore.scheduler.kv_cache_manager import KVCacheManager
+from minicore.scheduler.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from minicore.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from minicore.scheduler.request_queue import create_request_queue
 
@@ -18,6 +22,17 @@ RUNNING = RequestStatus.RUNNING
 # Shared by every request that needs no new block this step (most decode steps): one allocation
 # less per request per step.
 NO_NEW_BLOCKS: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class _StepState:
+    """What one schedule() call has scheduled so far; its phases fill it in place. The token
+    budget is passed and returned instead: the running loop keeps it in a local, since an
+    attribute would cost a lookup per request."""
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    preempted_reqs: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
@@ -112,22 +127,34 @@ class Scheduler:
         self.waiting.prepend_request(request)
 
     def schedule(self) -> SchedulerOutput:
-        kv = self.kv_cache_manager
-        threshold = self.scheduler_config.long_prefill_token_threshold
-        token_budget = self.max_num_scheduled_tokens
-        num_scheduled_tokens: dict[str, int] = {}
-        cached_reqs = CachedRequestData()
-        new_reqs: list[NewRequestData] = []
-        preempted: list[Request] = []
         # A scheduled request's tokens count as computed at once, so that a long prompt's next
-        # chunk can be scheduled before this step's output is back. The output records the
-        # counts from before this step.
+        # chunk can be scheduled before this step's output is back. The output records the counts
+        # from before this step.
+        step = _StepState()
+        token_budget = self._schedule_running(step, self.max_num_scheduled_tokens)
+        # A preemption means the KV cache is full: admitting now would only preempt again.
+        if not step.preempted_reqs and not self._admission_gated():
+            token_budget = self._schedule_waiting(step, token_budget)
+        output = SchedulerOutput(
+            scheduled_new_reqs=step.new_reqs,
+            scheduled_cached_reqs=step.cached_reqs,
+            num_scheduled_tokens=step.num_scheduled_tokens,
+            total_num_scheduled_tokens=self.max_num_scheduled_tokens - token_budget,
+            preempted_req_ids={r.request_id for r in step.preempted_reqs},
+            finished_req_ids=self.finished_req_ids,
+        )
+        self.finished_req_ids = set()
+        return output
 
-        # RUNNING requests first, in order. (running is only changed in place until the end.)
-        running, allocate_slots = self.running, kv.allocate_slots
-        add_req_id = cached_reqs.req_ids.append
-        add_new_block_ids = cached_reqs.new_block_ids.append
-        add_num_computed = cached_reqs.num_computed_tokens.append
+    def _schedule_running(self, step: _StepState, token_budget: int) -> int:
+        """RUNNING requests first, in order; returns the budget left. running is changed only in
+        place (by preemption), so req_index walks it while it shrinks."""
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        running, allocate_slots = self.running, self.kv_cache_manager.allocate_slots
+        num_scheduled_tokens = step.num_scheduled_tokens
+        add_req_id = step.cached_reqs.req_ids.append
+        add_new_block_ids = step.cached_reqs.new_block_ids.append
+        add_num_computed = step.cached_reqs.num_computed_tokens.append
         req_index = 0
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
@@ -139,22 +166,11 @@ class Scheduler:
             if num_new_tokens == 0:
                 req_index += 1
                 continue
-            while (new_blocks := allocate_slots(request, num_new_tokens)) is None:
-                victim = self._pick_victim()
-                if victim.request_id in num_scheduled_tokens:
-                    # Already scheduled this step (priority policy only): take its tokens back,
-                    # and un-cache the blocks it was about to fill.
-                    num_victim_tokens = num_scheduled_tokens.pop(victim.request_id)
-                    token_budget += num_victim_tokens
-                    kv.uncache_blocks_after(victim, victim.num_computed_tokens - num_victim_tokens)
-                    cached_reqs.remove(victim.request_id)
-                    req_index -= 1
-                self._preempt_request(victim)
-                preempted.append(victim)
-                if victim is request:
+            if (new_blocks := allocate_slots(request, num_new_tokens)) is None:
+                new_blocks, token_budget, req_index = self._preempt_until_fits(
+                    step, request, num_new_tokens, token_budget, req_index)
+                if new_blocks is None:
                     break
-            if new_blocks is None:
-                break
             num_scheduled_tokens[request.request_id] = num_new_tokens
             add_req_id(request.request_id)
             add_new_block_ids(new_blocks.get_block_ids() if new_blocks.blocks else NO_NEW_BLOCKS)
@@ -162,43 +178,70 @@ class Scheduler:
             request.num_computed_tokens += num_new_tokens
             token_budget -= num_new_tokens
             req_index += 1
+        return token_budget
 
-        # Then WAITING requests, unless this step had to preempt.
-        if not preempted and not self._admission_gated():
-            chunked = self.scheduler_config.enable_chunked_prefill
-            while self.waiting and token_budget > 0 and len(running) < self.max_num_running_reqs:
-                request = self.waiting.peek_request()
-                computed_blocks, num_computed = kv.get_computed_blocks(request)
-                num_new_tokens = request.num_tokens - num_computed
-                if 0 < threshold < num_new_tokens:
-                    num_new_tokens = threshold
-                if not chunked and num_new_tokens > token_budget:
-                    break
-                num_new_tokens = min(num_new_tokens, token_budget)
-                if allocate_slots(request, num_new_tokens, num_computed, computed_blocks) is None:
-                    break
-                self.waiting.pop_request()
-                kv.record_prefix_cache_query(request.num_tokens, num_computed)
-                running.append(request)
-                request.status = RUNNING
-                if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_computed
-                request.num_computed_tokens = num_computed
-                new_reqs.append(NewRequestData.from_request(request, kv.get_block_ids(request.request_id)))
-                request.num_computed_tokens += num_new_tokens
-                num_scheduled_tokens[request.request_id] = num_new_tokens
-                token_budget -= num_new_tokens
+    def _preempt_until_fits(self, step: _StepState, request: Request, num_new_tokens: int,
+                            token_budget: int, req_index: int
+                            ) -> tuple[KVCacheBlocks | None, int, int]:
+        """allocate_slots(request) has just failed: preempt the policy's victims one at a time,
+        retrying after each, until it fits. Returns the new blocks (None once request itself was
+        the victim: the running pass then stops) with the updated token_budget and req_index.
 
-        output = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=self.max_num_scheduled_tokens - token_budget,
-            preempted_req_ids={r.request_id for r in preempted},
-            finished_req_ids=self.finished_req_ids,
-        )
-        self.finished_req_ids = set()
-        return output
+        The victim may have been scheduled earlier in this step. Not under FCFS: its victim is the
+        last running request, so never one before request. But the priority policy's victim is the
+        worst request anywhere in running, possibly one before req_index. Such a victim is
+        unscheduled: its tokens go back to the budget, it leaves num_scheduled_tokens and
+        cached_reqs, the blocks it was about to fill lose their hashes (their KV will never be
+        computed, so no later request may hit them in the prefix cache), and req_index moves back
+        one, since removing it from running shifted request one place to the left.
+        """
+        kv = self.kv_cache_manager
+        while True:
+            victim = self._pick_victim()
+            if victim.request_id in step.num_scheduled_tokens:
+                num_victim_tokens = step.num_scheduled_tokens.pop(victim.request_id)
+                token_budget += num_victim_tokens
+                kv.uncache_blocks_after(victim, victim.num_computed_tokens - num_victim_tokens)
+                step.cached_reqs.remove(victim.request_id)
+                req_index -= 1
+            self._preempt_request(victim)
+            step.preempted_reqs.append(victim)
+            if victim is request:
+                return None, token_budget, req_index
+            if (new_blocks := kv.allocate_slots(request, num_new_tokens)) is not None:
+                return new_blocks, token_budget, req_index
+
+    def _schedule_waiting(self, step: _StepState, token_budget: int) -> int:
+        """Admit WAITING requests in queue order while budget and max_num_seqs allow; returns the
+        budget left. Without chunked prefill a prompt that does not fit stops admission."""
+        kv = self.kv_cache_manager
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        chunked = self.scheduler_config.enable_chunked_prefill
+        waiting, running = self.waiting, self.running
+        while waiting and token_budget > 0 and len(running) < self.max_num_running_reqs:
+            request = waiting.peek_request()
+            computed_blocks, num_computed = kv.get_computed_blocks(request)
+            num_new_tokens = request.num_tokens - num_computed
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
+            if not chunked and num_new_tokens > token_budget:
+                break
+            num_new_tokens = min(num_new_tokens, token_budget)
+            if kv.allocate_slots(request, num_new_tokens, num_computed, computed_blocks) is None:
+                break
+            waiting.pop_request()
+            kv.record_prefix_cache_query(request.num_tokens, num_computed)
+            running.append(request)
+            request.status = RUNNING
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+            request.num_computed_tokens = num_computed
+            step.new_reqs.append(NewRequestData.from_request(request,
+                                                             kv.get_block_ids(request.request_id)))
+            request.num_computed_tokens += num_new_tokens
+            step.num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+        return token_budget
 
     # ---- after the forward ---------------------------------------------------------------------
 
