@@ -1,6 +1,6 @@
 """Balance scheduling study: data-parallel engines with and without vllm-ascend's balance gate, side
-by side in one run, in the columns of vllm-ascend PR #5212's table (DeepSeek-V3.1, 3.5K in / 1.5K out,
-512 requests, batch 128; balance gave +18% output throughput, -19% TPOT, +6% TTFT).
+by side in one run, in the columns of vllm-ascend PR #5212's table (DeepSeek-V3.1, 3.5K in /
+1.5K out, 512 requests, batch 128; balance gave +18% output throughput, -19% TPOT, +6% TTFT).
 
 Each variant starts its own AsyncLLM (in-process frontend, real engine processes, a real
 gloo DP group on a free port pair) and runs the same workload: fixed input length, distinct random

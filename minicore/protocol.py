@@ -8,8 +8,9 @@ they are sent. Frames on the wire:
 - frontend -> engine (ROUTER -> DEALER): [type byte (EngineCoreRequestType), msgpack payload];
   ADD carries an EngineCoreRequest, ABORT a list of request ids, UTILITY (call_id, method, args),
   START_DP_WAVE (wave, excluded engine index).
-- engine -> frontend (PUSH -> PULL): one msgpack EngineCoreOutputs per frame, or the raw
-  ENGINE_CORE_DEAD frame when the engine dies of a fatal error.
+- engine -> frontend (PUSH -> PULL): one msgpack EngineCoreOutputs per frame, or, when the engine
+  dies of a fatal error, the raw frame ENGINE_CORE_DEAD followed by its index as 2 bytes
+  (little-endian): engine_dead_frame(i).
 
 Left out: multimodal features, LoRA, pooling, structured output, logprobs, KV-transfer parameters.
 """
@@ -24,6 +25,17 @@ from minicore.sampling_params import SamplingParams
 
 # Sent as a raw frame (not msgpack) on the output socket when the engine dies of a fatal error.
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
+
+
+def engine_dead_frame(engine_index: int) -> bytes:
+    return ENGINE_CORE_DEAD + engine_index.to_bytes(2, "little")
+
+
+def parse_engine_dead_frame(frame: bytes) -> int | None:
+    """The engine index of an ENGINE_CORE_DEAD frame; None if the frame is not one."""
+    if len(frame) != len(ENGINE_CORE_DEAD) + 2 or not frame.startswith(ENGINE_CORE_DEAD):
+        return None
+    return int.from_bytes(frame[len(ENGINE_CORE_DEAD):], "little")
 
 
 class EngineCoreRequestType(enum.Enum):
@@ -56,6 +68,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None
     num_cached_tokens: int = 0
+    # Why the engine refused the request (finish_reason ERROR).
+    error_message: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -18,6 +18,8 @@ class FinishReason(enum.IntEnum):
     STOP = 0
     LENGTH = 1
     ABORT = 2
+    # The engine refused the request (vLLM: a request that failed for itself alone).
+    ERROR = 3
 
     def __str__(self) -> str:
         return self.name.lower()

@@ -2,11 +2,15 @@
 
 Mirrors vllm/sampling_params.py, keeping the parameters minicore implements (no logprobs, penalties,
 beam search or structured output). Invalid values raise ValueError at construction, before anything
-reaches the scheduler.
+reaches the scheduler: the engine decodes the same class from the wire, so a request it receives
+has passed the same checks. Integers must fit in 64 signed bits (what msgpack and torch carry) and
+strings must be valid Unicode text.
 """
 
 import math
 from dataclasses import dataclass, field
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _check_int(name: str, value, minimum: int) -> None:
@@ -14,6 +18,17 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if value > INT64_MAX:
+        raise ValueError(f"{name} must be <= {INT64_MAX} (2**63 - 1), got {value}")
+
+
+def check_text(name: str, text: str) -> None:
+    """A string the tokenizer and the JSON encoder accept: no lone surrogate."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} is not valid Unicode text: {e.reason} at position "
+                         f"{e.start}") from None
 
 
 def _check_number(name: str, value) -> float:
@@ -50,12 +65,14 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         if self.seed is not None:
-            _check_int("seed", self.seed, -(2**63))
+            _check_int("seed", self.seed, INT64_MIN)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(x, str) and x for x in self.stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         self.stop = list(self.stop)
+        for stop in self.stop:
+            check_text("stop", stop)
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         for token_id in self.stop_token_ids:

@@ -24,7 +24,8 @@ Waves: the ranks run together from the first request after an idle period to the
 finds no unfinished request anywhere; then rank 0 reports wave_complete, every rank advances its
 wave number and idles. A request wakes the rank it reaches, and the frontend wakes the others with
 START_DP_WAVE (or the woken rank asks it to, when the request was sent for a wave that has ended).
-The engine side's wave state lives here; the frontend's in DPCoordinator (minicore/dp/coordinator.py).
+The engine side's wave state lives here; the frontend's in DPCoordinator
+(minicore/dp/coordinator.py).
 Left out: elastic scaling (reinitialize_distributed), Ray actors, external load balancers.
 """
 
@@ -38,7 +39,7 @@ import zmq.asyncio
 from minicore.config import EngineConfig
 from minicore.dp.group import DPGroup
 from minicore.engine.core_proc import HANDSHAKE_TIMEOUT_S, EngineCoreProc
-from minicore.protocol import EngineCoreRequest, EngineCoreRequestType
+from minicore.protocol import EngineCoreRequestType
 
 logger = logging.getLogger(__name__)
 
@@ -173,14 +174,14 @@ class DPEngineCoreProc(EngineCoreProc):
         else:
             super()._handle_client_request(request_type, request)
 
-    def _add_request(self, request: EngineCoreRequest) -> None:
-        if request.current_wave > self.current_wave:
-            self.current_wave = request.current_wave
-        elif request.current_wave < self.current_wave and not self.engines_running:
+    def _on_request_arrived(self, current_wave: int) -> None:
+        if current_wave > self.current_wave:
+            self.current_wave = current_wave
+        elif current_wave < self.current_wave and not self.engines_running:
             # Sent for a wave that ended before it arrived: the frontend did not wake the other
             # ranks, so ask it to.
             self._send(start_wave=self.current_wave)
         # This rank wakes itself (the frontend's START_DP_WAVE skips it), even if the request is
         # rejected: its peers are waking and will expect its collectives.
         self.engines_running = True
-        super()._add_request(request)
+        super()._on_request_arrived(current_wave)

@@ -9,6 +9,7 @@ structured output, sleep mode and LoRA utilities.
 import logging
 
 from minicore.config import EngineConfig
+from minicore.engine.input_processor import validate_prompt_token_ids
 from minicore.model.runner_base import ModelRunnerInterface
 from minicore.protocol import EngineCoreOutput
 from minicore.request import Request, RequestStatus
@@ -44,6 +45,9 @@ class EngineCore:
         return ModelRunner(config, model, tokenizer)
 
     def add_request(self, request: Request) -> None:
+        """ValueError for a request the model cannot run; nothing is scheduled then."""
+        validate_prompt_token_ids(request.prompt_token_ids, self.model_runner.vocab_size,
+                                  self.config.scheduler_config.max_model_len)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:

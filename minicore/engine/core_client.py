@@ -7,11 +7,15 @@ leave on a ROUTER socket (msgspec msgpack, one frame per message, never blocking
 on a PULL socket. With data parallelism, DPLBAsyncMPClient picks each request's engine and keeps
 the engines' waves going with a DPCoordinator (minicore/dp/coordinator.py).
 
-Supervision: when an engine process exits, sends ENGINE_CORE_DEAD, or a send to it fails, the
-client turns dead: it stops the other local engines (DP ranks cannot go on without a peer),
-fails pending utility calls, and tells its owner through on_dead, which fails the requests in
-flight. A malformed output frame, or one from an engine that does not exist, is logged and
-dropped. Left out: several API servers sharing one coordinator process, elastic scaling.
+Supervision: when a local engine process exits, a remote engine (a headless DP rank) sends
+ENGINE_CORE_DEAD, or a send to an engine fails, the client turns dead: it stops the other local
+engines (DP ranks cannot go on without a peer), fails pending utility calls, and tells its owner
+through on_dead, which fails the requests in flight. Nothing else a socket delivers can do that: a
+frame that does not decode, or names an engine that does not exist, is dropped (and logged, at
+rate-limited intervals), and ENGINE_CORE_DEAD from a local engine only announces the process exit
+that the process watch then sees. The input ROUTER reads nothing after startup, so it holds at most
+a few small frames per peer. Left out: several API servers sharing one coordinator process,
+elastic scaling, socket authentication (docs/DATA_PARALLEL.md says what is exposed).
 """
 
 import asyncio
@@ -36,10 +40,16 @@ from minicore.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
+    parse_engine_dead_frame,
 )
 from minicore.utils import make_zmq_socket
 
 logger = logging.getLogger(__name__)
+
+# The input ROUTER only ever receives each engine's empty first frame: anything more from a peer
+# waits in a queue this short, of frames this small, and then the peer is held back.
+INPUT_RCVHWM = 16
+INPUT_MAX_MSG_BYTES = 1024
 
 
 class EngineDeadError(RuntimeError):
@@ -74,6 +84,8 @@ class AsyncMPClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self._identities = [i.to_bytes(2, "little") for i in range(self.num_engines)]
+        self._num_dropped = 0
+        # Private to this user (mode 0700): no other user can reach the ipc sockets in it.
         self._tmpdir = tempfile.mkdtemp(prefix="minicore-")
         self.ctx = zmq.Context()
         self.output_socket: zmq.asyncio.Socket | None = None
@@ -108,6 +120,8 @@ class AsyncMPClient:
         self.input_socket = self._bind(zmq.ROUTER, "input")
         # Sending to an engine that is gone raises instead of dropping the message silently.
         self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.input_socket.setsockopt(zmq.RCVHWM, INPUT_RCVHWM)
+        self.input_socket.setsockopt(zmq.MAXMSGSIZE, INPUT_MAX_MSG_BYTES)
         output_socket = self._bind(zmq.PULL, "output")
         self.output_socket = zmq.asyncio.Socket.from_socket(output_socket)
         handshake = zmq.asyncio.Socket.from_socket(self._bind(zmq.ROUTER, "handshake"))
@@ -222,21 +236,38 @@ class AsyncMPClient:
         Utility results are settled here."""
         while True:
             frame = await self.output_socket.recv()
-            if frame == ENGINE_CORE_DEAD:
-                self.set_dead("an engine core reported a fatal error (ENGINE_CORE_DEAD)")
-                raise self.dead_error
+            if frame.startswith(ENGINE_CORE_DEAD):
+                self._on_engine_dead_frame(frame)
+                continue
             try:
                 outputs = self._decoder.decode(frame)
             except msgspec.MsgspecError as e:
-                logger.error("dropped a malformed frame on the output socket (%d bytes): %s",
-                             len(frame), e)
+                self._drop(f"a malformed frame ({len(frame)} bytes: {e})")
                 continue
             if not 0 <= outputs.engine_index < self.num_engines:
-                logger.error("dropped a frame from engine %d, which does not exist",
-                             outputs.engine_index)
+                self._drop(f"a frame from engine {outputs.engine_index}, which does not exist")
                 continue
             self._process_engine_outputs(outputs)
             return outputs
+
+    def _on_engine_dead_frame(self, frame: bytes) -> None:
+        engine_index = parse_engine_dead_frame(frame)
+        if engine_index is None or not 0 <= engine_index < self.num_engines:
+            self._drop(f"an ENGINE_CORE_DEAD frame naming no engine ({frame[:32]!r})")
+        elif engine_index in self.procs:
+            # Its process exits next, which the process watch sees: a forged notice does nothing.
+            logger.error("engine core %d reports a fatal error", engine_index)
+        else:
+            self.set_dead(f"engine core {engine_index} reported a fatal error (ENGINE_CORE_DEAD)")
+            raise self.dead_error
+
+    def _drop(self, what: str) -> None:
+        """Log a dropped frame: the first, then at every power of two, so a flood of them
+        cannot flood the log."""
+        self._num_dropped += 1
+        if self._num_dropped & (self._num_dropped - 1) == 0:
+            logger.error("dropped %s on the output socket (%d dropped so far)", what,
+                         self._num_dropped)
 
     def _process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:
         if (result := outputs.utility_output) is None:

@@ -34,6 +34,7 @@ from minicore.protocol import (
     EngineCoreRequest,
     EngineCoreRequestType,
     UtilityOutput,
+    engine_dead_frame,
 )
 from minicore.request import FinishReason, Request
 from minicore.utils import freeze_gc_heap, make_zmq_socket
@@ -48,6 +49,7 @@ PARENT_CHECK_INTERVAL_S = 1.0
 # Input-queue item types of the engine's own making (not on the wire).
 _SHUTDOWN = "shutdown"
 _IO_FAILED = "io_failed"
+_UNDECODABLE_ADD = "undecodable_add"
 
 
 class EngineCoreProc(EngineCore):
@@ -179,6 +181,10 @@ class EngineCoreProc(EngineCore):
         try:
             self.input_queue.put_nowait(self._decode_request(frames))
         except (ValueError, msgspec.MsgspecError) as e:
+            if (header := _add_request_header(frames)) is not None:
+                # Refuse it by name, or its sender would wait for it forever.
+                self.input_queue.put_nowait((_UNDECODABLE_ADD, (*header, str(e))))
+                return
             logger.error("EngineCore %d dropped a malformed message (%d frames, %d bytes): %s",
                          self.engine_index, len(frames), sum(map(len, frames)), e)
 
@@ -194,7 +200,7 @@ class EngineCoreProc(EngineCore):
         while True:
             outputs = await self.output_queue.get()
             if outputs == ENGINE_CORE_DEAD:
-                await self.output_socket.send(ENGINE_CORE_DEAD)
+                await self.output_socket.send(engine_dead_frame(self.engine_index))
                 return
             await self.output_socket.send(encoder.encode(outputs))
 
@@ -270,18 +276,31 @@ class EngineCoreProc(EngineCore):
         elif request_type is EngineCoreRequestType.START_DP_WAVE:
             logger.warning("EngineCore %d ignored START_DP_WAVE: not a data-parallel engine.",
                            self.engine_index)
+        elif request_type == _UNDECODABLE_ADD:
+            request_id, current_wave, message = request
+            self._on_request_arrived(current_wave)
+            self._reject(request_id, message)
         elif request_type == _IO_FAILED:
             raise RuntimeError("an engine socket task failed") from request
 
     def _add_request(self, request: EngineCoreRequest) -> None:
-        self.num_received_requests += 1
+        self._on_request_arrived(request.current_wave)
         try:
             self.add_request(Request.from_engine_core_request(request))
         except ValueError as e:
-            # Finish it at once, so that the frontend does not wait for it forever.
-            logger.error("EngineCore %d rejected request %r: %s", self.engine_index,
-                         request.request_id, e)
-            self._send([EngineCoreOutput(request.request_id, [], FinishReason.ABORT)])
+            self._reject(request.request_id, str(e))
+
+    def _on_request_arrived(self, current_wave: int) -> None:
+        """Every ADD, run or refused (DPEngineCoreProc also wakes its wave here)."""
+        self.num_received_requests += 1
+
+    def _reject(self, request_id: str, message: str) -> None:
+        """Finish a request the engine cannot run, alone, with an error, so that the frontend
+        neither waits for it forever nor lets it reach a batch."""
+        logger.error("EngineCore %d rejected request %r: %s", self.engine_index, request_id,
+                     message)
+        self._send([EngineCoreOutput(request_id, [], FinishReason.ERROR,
+                                     error_message=message)])
 
     def _call_utility(self, call_id: int, method: str, args: list) -> None:
         output = UtilityOutput(call_id)
@@ -306,3 +325,18 @@ class EngineCoreProc(EngineCore):
 
     def ping(self) -> str:
         return "pong"
+
+
+def _add_request_header(frames: list[bytes]) -> tuple[str, int] | None:
+    """(request_id, current_wave) of an ADD whose payload does not decode as an
+    EngineCoreRequest, read from the raw msgpack array; None if even those are unreadable."""
+    if len(frames) != 2 or frames[0] != EngineCoreRequestType.ADD.value:
+        return None
+    try:
+        fields = msgspec.msgpack.decode(frames[1])
+    except msgspec.MsgspecError:
+        return None
+    if not isinstance(fields, list) or not fields or not isinstance(fields[0], str):
+        return None
+    wave = fields[8] if len(fields) > 8 and type(fields[8]) is int else 0
+    return fields[0], wave

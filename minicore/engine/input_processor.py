@@ -4,8 +4,10 @@ an EngineCoreRequest, for the offline LLM, AsyncLLM and the HTTP server alike.
 Mirrors vllm/v1/engine/input_processor.py (process_inputs, _validate_model_input): a text prompt
 is tokenized (without special tokens: a chat template already holds them), token ids must be
 integers in the vocabulary, the prompt must hold 1 to max_model_len tokens, a priority needs the
-priority policy and a DP rank must exist. Everything is checked before anything is sent, so a
-refused request leaves nothing behind. Left out: multimodal inputs, LoRA, structured output,
+priority policy and a DP rank must exist; text must be valid Unicode and integers must fit in 64
+bits (SamplingParams checks its own fields). Everything is checked before anything is sent, so a
+refused request leaves nothing behind. The engine checks the prompt's token ids again with
+validate_prompt_token_ids (it trusts no frontend). Left out: multimodal inputs, LoRA, structured output,
 tokenization caches.
 """
 
@@ -13,7 +15,7 @@ import time
 
 from minicore.config import EngineConfig
 from minicore.protocol import EngineCoreRequest
-from minicore.sampling_params import SamplingParams
+from minicore.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, check_text
 
 Prompt = str | list[int]
 
@@ -42,6 +44,10 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(
                 f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, int) or not (
+                INT64_MIN <= priority <= INT64_MAX):
+            raise InvalidRequestError(f"priority must be a 64-bit integer, got {priority!r}",
+                                      "priority")
         if priority != 0 and self.policy != "priority":
             raise InvalidRequestError(f"priority {priority} needs the priority scheduling policy "
                                       "(--scheduling-policy priority)", "priority")
@@ -50,7 +56,10 @@ class InputProcessor:
                 f"data_parallel_rank {data_parallel_rank} is out of range: there are "
                 f"{self.num_engines} data parallel engines", "data_parallel_rank")
         token_ids = self.tokenize(prompt)
-        self._validate_prompt(token_ids)
+        try:
+            validate_prompt_token_ids(token_ids, self.vocab_size, self.max_model_len)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "prompt") from None
         return EngineCoreRequest(
             request_id, token_ids, params, self.tokenizer.eos_token_id,
             time.monotonic() if arrival_time is None else arrival_time, priority,
@@ -59,21 +68,25 @@ class InputProcessor:
     def tokenize(self, prompt: Prompt) -> list[int]:
         """A text prompt's token ids (a list of ids is taken as it is)."""
         if isinstance(prompt, str):
+            try:
+                check_text("the prompt", prompt)
+            except ValueError as e:
+                raise InvalidRequestError(str(e), "prompt") from None
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         if not isinstance(prompt, list | tuple):
             raise InvalidRequestError(f"a prompt is a string or a list of token ids, got "
                                       f"{type(prompt).__name__}", "prompt")
         return list(prompt)
 
-    def _validate_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty: it must contain at least one token",
-                                      "prompt")
-        if len(token_ids) > self.max_model_len:
-            raise InvalidRequestError(f"the prompt has {len(token_ids)} tokens, more than "
-                                      f"max_model_len ({self.max_model_len})", "prompt")
-        # The engine would drop a request whose ids do not decode as ints: refuse it here.
-        if (not all(type(t) is int for t in token_ids)
-                or min(token_ids) < 0 or max(token_ids) >= self.vocab_size):
-            raise InvalidRequestError(
-                f"prompt token ids must be integers in [0, {self.vocab_size})", "prompt")
+
+def validate_prompt_token_ids(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    """ValueError unless the prompt holds 1 to max_model_len integer ids in [0, vocab_size)."""
+    if not token_ids:
+        raise ValueError("the prompt is empty: it must contain at least one token")
+    if len(token_ids) > max_model_len:
+        raise ValueError(f"the prompt has {len(token_ids)} tokens, more than max_model_len "
+                         f"({max_model_len})")
+    # The engine would drop a request whose ids do not decode as ints: refuse it here.
+    if (not all(type(t) is int for t in token_ids)
+            or min(token_ids) < 0 or max(token_ids) >= vocab_size):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")

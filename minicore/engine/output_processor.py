@@ -2,7 +2,8 @@
 
 Mirrors vllm/v1/engine/output_processor.py: OutputProcessor keeps a RequestState per request,
 detokenizes incrementally, applies stop strings (the engine only knows stop tokens, so a stop
-string finishes the request here and the caller aborts it in the engine), keeps the timestamps
+string finishes the request here and the caller aborts it in the engine; a request the engine
+refused ends its stream with InvalidRequestError), keeps the timestamps
 metrics need, and hands results over: to the request's RequestOutputCollector (AsyncLLM's
 streams) or, for a request without one (the offline LLM), as a RequestOutput once it finishes.
 Streaming holds back the last len(longest stop string) - 1 characters until they cannot start a
@@ -16,8 +17,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from minicore.engine.detokenizer import IncrementalDetokenizer
+from minicore.engine.input_processor import InvalidRequestError
 from minicore.outputs import CompletionOutput, RequestOutput
 from minicore.protocol import EngineCoreOutput, EngineCoreRequest
+from minicore.request import FinishReason
 from minicore.sampling_params import SamplingParams
 
 
@@ -155,7 +158,12 @@ class OutputProcessor:
                             else state.last_token_time - previous_token_time)
                 self.on_new_tokens(state, len(output.new_token_ids), interval)
             if state.queue is not None:
-                state.queue.notify()
+                if output.finish_reason is FinishReason.ERROR:
+                    state.queue.fail(InvalidRequestError(
+                        f"the engine refused request {output.request_id!r}: "
+                        f"{output.error_message}"))
+                else:
+                    state.queue.notify()
             if state.finished:
                 self._finish(state)
                 if state.queue is None:

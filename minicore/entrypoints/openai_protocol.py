@@ -33,6 +33,9 @@ UNSUPPORTED_PARAMS: dict[str, tuple] = {
     "response_format": (None, {"type": "text"}),
 }
 
+# Choices per request: each is an engine request of its own, so n is bounded like a batch.
+MAX_N = 128
+
 # Error types named after the openai SDK's exception classes, as vLLM names them.
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                500: "InternalServerError", 503: "ServiceUnavailableError"}
@@ -131,8 +134,8 @@ class SamplingRequest(OpenAIBaseModel):
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """The SamplingParams this request asks for; a 400 naming the parameter if it is invalid."""
-        if self.n < 1:
-            raise OpenAIError(f"n must be >= 1, got {self.n}", 400, "n")
+        if not 1 <= self.n <= MAX_N:
+            raise OpenAIError(f"n must be in [1, {MAX_N}], got {self.n}", 400, "n")
         try:
             return SamplingParams(
                 max_tokens=max_tokens,

@@ -50,7 +50,7 @@ from minicore.entrypoints.openai_protocol import (
 )
 from minicore.outputs import RequestOutput
 from minicore.protocol import EngineCoreRequest
-from minicore.sampling_params import SamplingParams
+from minicore.sampling_params import INT64_MIN, SamplingParams, check_text
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,14 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 def sse(record) -> bytes:
     return b"data: " + to_json(record) + b"\n\n"
+
+
+def _check_text(param: str, text: str) -> None:
+    """Text the tokenizer and the JSON encoder can take, else a 400 naming param."""
+    try:
+        check_text(param, text)
+    except ValueError as e:
+        raise OpenAIError(str(e), 400, param) from None
 
 
 @dataclass(slots=True)
@@ -98,7 +106,10 @@ class OpenAIServing:
     # ----------------------------------------------------------------------------- checks
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
+        if model is None:
+            return
+        _check_text("model", model)
+        if model not in self.model_names:
             raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
 
     def _check_request(self, request: SamplingRequest) -> None:
@@ -186,9 +197,10 @@ class OpenAIServing:
             shared = Prompt(prompt if isinstance(prompt, str) else None,
                             engine_request.prompt_token_ids)
             for j in range(request.n):
-                # As vLLM's parallel sampling: the j-th sample of a seeded request uses seed + j.
+                # As vLLM's parallel sampling: the j-th sample of a seeded request uses seed + j
+                # (wrapped to stay a 64-bit integer).
                 p = params if j == 0 or params.seed is None else dataclasses.replace(
-                    params, seed=params.seed + j)
+                    params, seed=(params.seed + j - INT64_MIN) % 2**64 + INT64_MIN)
                 request_id = f"{response_id}-{len(choices)}"
                 choice_request = msgspec.structs.replace(engine_request, request_id=request_id,
                                                          sampling_params=p)
@@ -387,6 +399,7 @@ class OpenAIServing:
             raise OpenAIError("give either a prompt or messages", 400, "prompt")
         text = (request.prompt if request.messages is None
                 else self._apply_chat_template(request.messages, request.add_generation_prompt))
+        _check_text("prompt" if request.messages is None else "messages", text)
         tokens = self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
         return TokenizeResponse(len(tokens), self.max_model_len, tokens)
 

@@ -28,6 +28,7 @@ class ModelRunner(ModelRunnerBase):
         self.model = model
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
+        self.vocab_size = model.config.vocab_size
         self.block_size = config.cache_config.block_size
         use_paged_attention(model)
         # The base model gives hidden states; the head runs only on sampling positions.
@@ -127,7 +128,9 @@ class ModelRunner(ModelRunnerBase):
         all_greedy = all(p.temperature == 0 or p.top_k == 1 for p in params)
         top_k = top_p = None
         if not all_greedy and any(p.top_k > 0 for p in params):
-            top_k = torch.tensor([p.top_k for p in params], device=self.device)
+            # A top_k past the vocabulary keeps every token (and may not fit a tensor).
+            top_k = torch.tensor([min(p.top_k, self.vocab_size) for p in params],
+                                 device=self.device)
         if not all_greedy and any(p.top_p < 1 for p in params):
             top_p = torch.tensor([p.top_p for p in params], device=self.device)
         generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}

@@ -20,6 +20,8 @@ from minicore.scheduler.output import SchedulerOutput
 class ModelRunnerInterface(Protocol):
     # KV cache blocks, block 0 (the null block) included; known once the runner is built.
     num_blocks: int
+    # Token ids the model knows: [0, vocab_size).
+    vocab_size: int
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step's batch and sample; a request mid-prefill samples nothing."""

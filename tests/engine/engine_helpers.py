@@ -70,7 +70,8 @@ class FakeFrontend:
 
     def next_output(self, timeout: float = 10) -> EngineCoreOutputs | bytes:
         (frame,) = self.recv(self.output, timeout)
-        return frame if frame == ENGINE_CORE_DEAD else self.decoder.decode(frame)
+        # ENGINE_CORE_DEAD (with the engine's index) comes back raw.
+        return frame if frame.startswith(ENGINE_CORE_DEAD) else self.decoder.decode(frame)
 
     def __enter__(self):
         return self

@@ -21,7 +21,12 @@ from engine_helpers import simulated_config
 from minicore.engine.async_llm import AsyncLLM
 from minicore.engine.core_client import EngineDeadError
 from minicore.model.simulated import NOMINAL_KV_BYTES_PER_TOKEN, next_token
-from minicore.protocol import EngineCoreOutput, EngineCoreOutputs
+from minicore.protocol import (
+    ENGINE_CORE_DEAD,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    engine_dead_frame,
+)
 from minicore.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -295,20 +300,27 @@ async def test_failing_output_hook_fails_requests_instead_of_hanging_them():
 
 
 async def test_malformed_output_frames_are_dropped_and_the_client_keeps_serving(client, caplog):
-    """A garbage frame, msgpack of the wrong shape, or a frame from an engine that does not exist
-    on the frontend's output socket is logged and dropped; it used to kill the output handler."""
+    """Whatever a local process pushes into the frontend's output socket (garbage, msgpack of the
+    wrong shape, a frame or ENGINE_CORE_DEAD naming an engine that does not exist, a fatal-error
+    notice in a local engine's name) is dropped, logged at 1, 2, 4, ... drops, and the client
+    keeps serving: one garbage frame used to kill the output handler."""
     address = client.engine_core.output_socket.getsockopt_string(zmq.LAST_ENDPOINT)
     ctx = zmq.Context()
     forger = ctx.socket(zmq.PUSH)
     forger.connect(address)
     forged = [b"garbage", msgspec.msgpack.encode({"outputs": 1}),
               msgspec.msgpack.encode(EngineCoreOutputs(7, [EngineCoreOutput("ghost", [5])])),
+              ENGINE_CORE_DEAD, engine_dead_frame(9),
+              engine_dead_frame(0),  # the local engine's process is alive: no effect
               msgspec.msgpack.encode(EngineCoreOutputs(0, [EngineCoreOutput("ghost", [5])]))]
     try:
         with caplog.at_level(logging.ERROR, logger="minicore.engine.core_client"):
             for frame in forged:
                 forger.send(frame)
             async with asyncio.timeout(10):
+                # Frames of one peer are read in order: the last forged one marks the end.
+                while not any("reports a fatal error" in r.getMessage() for r in caplog.records):
+                    await asyncio.sleep(0.01)
                 outputs = [o async for o in client.generate([4, 5], SamplingParams(max_tokens=3),
                                                             "after-forgery")]
     finally:
@@ -316,7 +328,7 @@ async def test_malformed_output_frames_are_dropped_and_the_client_keeps_serving(
         ctx.term()
     assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 3
     assert client.is_healthy and not client.errored
-    assert 7 not in client.latest_stats
+    assert 7 not in client.latest_stats and 9 not in client.latest_stats
     dropped = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
-    assert len(dropped) == 3, dropped
+    assert len(dropped) == 3 and dropped[-1].endswith("(4 dropped so far)"), dropped
     await assert_idle(client)

@@ -8,12 +8,13 @@ import os
 import signal
 import time
 
+import msgspec
 import pytest
 from engine_helpers import FakeFrontend, simulated_config
 
 from minicore.engine.launch import run_engine_core
 from minicore.model.simulated import NOMINAL_KV_BYTES_PER_TOKEN, SimulatedModelRunner
-from minicore.protocol import ENGINE_CORE_DEAD, EngineCoreRequest, EngineCoreRequestType
+from minicore.protocol import EngineCoreRequest, EngineCoreRequestType, engine_dead_frame
 from minicore.request import FinishReason
 from minicore.sampling_params import SamplingParams
 
@@ -32,7 +33,7 @@ def collect(frontend: FakeFrontend, request_ids: set[str], timeout: float = 10) 
     deadline = time.monotonic() + timeout
     while any(reason is None for _, reason in results.values()):
         frame = frontend.next_output(max(0.01, deadline - time.monotonic()))
-        assert frame != ENGINE_CORE_DEAD
+        assert not isinstance(frame, bytes), frame
         for output in frame.outputs:
             tokens, _ = results[output.request_id]
             results[output.request_id] = (tokens + output.new_token_ids, output.finish_reason)
@@ -94,19 +95,43 @@ def test_malformed_frames_are_dropped_and_the_engine_serves_on(capfd):
             [b"\x7f", b"payload"],                      # unknown type byte
             [ADD.value, b"\xc1\xc1 not msgpack"],       # undecodable payload
             [ADD.value, frontend.encoder.encode({"request_id": "x"})],  # wrong shape
-            [ADD.value, valid.replace(b"\x10", b"\x00", 1)],  # max_tokens 0: invalid params
             [ABORT.value, frontend.encoder.encode(123)],  # abort of something not a list
             [UTILITY.value],                             # missing payload frame
             [b"", b"", b""],                             # three frames
         ]
         for frames in garbage:
             frontend.send_raw(*frames)
+        # An ADD that names itself but does not decode (max_tokens 0) is refused by name.
+        frontend.send_raw(ADD.value, valid.replace(b"\x10", b"\x00", 1))
         add(frontend, "good", max_tokens=5)
-        results = collect(frontend, {"good"})
+        results = collect(frontend, {"good", "bad"})
         assert results["good"][1] is FinishReason.LENGTH and len(results["good"][0]) == 5
+        assert results["bad"] == ([], FinishReason.ERROR)
         assert utility(frontend, 7, "get_stats").result["request_ids"] == []
         assert proc.is_alive()
     assert capfd.readouterr().err.count("dropped a malformed message") == len(garbage)
+
+
+def test_requests_the_engine_cannot_run_are_refused_alone():
+    """The engine trusts no frontend: prompt ids outside the vocabulary, and sampling values no
+    kernel can carry (top_k 2**63, which passed validation and killed the engine), finish with
+    an error for that request alone while a request beside them runs to its end."""
+    with FakeFrontend() as frontend:
+        proc = frontend.start(run_engine_core, simulated_config())
+        frontend.complete_handshake()
+        add(frontend, "beside", max_tokens=20)
+        add(frontend, "vocab", 3, prompt=[5, 10**6])
+        add(frontend, "negative", 3, prompt=[-1, 5])
+        valid = EngineCoreRequest("top-k", [1], SamplingParams(top_k=7), 2, time.monotonic())
+        fields = msgspec.msgpack.decode(frontend.encoder.encode(valid))
+        fields[2]["top_k"] = 2**63  # past what the frontend's SamplingParams lets through
+        frontend.send_raw(ADD.value, msgspec.msgpack.encode(fields))
+        results = collect(frontend, {"beside", "vocab", "negative", "top-k"})
+        assert {rid: r for rid, r in results.items() if rid != "beside"} == {
+            rid: ([], FinishReason.ERROR) for rid in ("vocab", "negative", "top-k")}
+        assert results["beside"][1] is FinishReason.LENGTH and len(results["beside"][0]) == 20
+        assert utility(frontend, 9, "get_stats").result["request_ids"] == []
+        assert proc.is_alive()
 
 
 def test_abort_during_a_step_drops_that_steps_output():
@@ -161,7 +186,7 @@ def test_fatal_error_sends_engine_core_dead_and_exits_non_zero(capfd):
         add(frontend, "fine", max_tokens=3)
         assert collect(frontend, {"fine"})["fine"][1] is FinishReason.LENGTH
         add(frontend, "poison", max_tokens=3)
-        while (frame := frontend.next_output()) != ENGINE_CORE_DEAD:
+        while (frame := frontend.next_output()) != engine_dead_frame(0):
             assert not frame.outputs
         proc.join(10)
         assert proc.exitcode == 1
