@@ -1,0 +1,81 @@
+"""OutputProcessor with a tiny byte-level tokenizer: streams and finished outputs, stop strings
+that ask the caller to abort in the engine, aborts, a request the engine refused (its stream
+raises InvalidRequestError), and a dead engine failing every stream; the hooks see each finish."""
+
+import asyncio
+import time
+
+import pytest
+from test_detokenizer import ByteTokenizer
+
+from minicore.engine.input_processor import InvalidRequestError
+from minicore.engine.output_processor import OutputProcessor, RequestOutputCollector
+from minicore.protocol import EngineCoreOutput, EngineCoreRequest
+from minicore.request import FinishReason
+from minicore.sampling_params import SamplingParams
+
+
+def request(request_id: str, **params) -> EngineCoreRequest:
+    return EngineCoreRequest(request_id, list(b"hi "), SamplingParams(**params), None,
+                             time.monotonic())
+
+
+@pytest.fixture
+def processor():
+    processor = OutputProcessor(ByteTokenizer())
+    processor.finished = []
+    processor.on_request_finished = lambda state: processor.finished.append(
+        (state.request_id, state.finish_reason))
+    return processor
+
+
+def test_finished_outputs_without_a_collector_are_returned(processor):
+    processor.add_request(request("a"), "hi ")
+    first = processor.process_outputs([EngineCoreOutput("a", list(b"ok"))])
+    assert first.request_outputs == [] and first.reqs_to_abort == []
+    last = processor.process_outputs([EngineCoreOutput("a", list(b"!"), FinishReason.LENGTH)])
+    (output,) = last.request_outputs
+    assert (output.outputs[0].text, output.outputs[0].finish_reason) == ("ok!", "length")
+    assert processor.finished == [("a", "length")] and not processor.has_unfinished_requests()
+
+
+def test_a_stop_string_finishes_here_and_asks_for_an_engine_abort(processor):
+    processor.add_request(request("s", stop=["!"]), None)
+    result = processor.process_outputs([EngineCoreOutput("s", list(b"yes! more"))])
+    assert result.reqs_to_abort == ["s"]
+    assert result.request_outputs[0].outputs[0].text == "yes"
+    # Outputs the engine made before it heard of the abort are ignored.
+    assert processor.process_outputs([EngineCoreOutput("s", [65])]).request_outputs == []
+
+
+def test_a_duplicate_request_id_is_refused(processor):
+    processor.add_request(request("d"), None)
+    with pytest.raises(ValueError, match="'d' is already in use"):
+        processor.add_request(request("d"), None)
+
+
+async def test_a_refused_request_raises_in_its_stream_alone(processor):
+    refused, beside = RequestOutputCollector(), RequestOutputCollector()
+    processor.add_request(request("bad"), None, refused)
+    processor.add_request(request("good"), None, beside)
+    processor.process_outputs([
+        EngineCoreOutput("bad", [], FinishReason.ERROR, error_message="token id out of range"),
+        EngineCoreOutput("good", list(b"x"))])
+    with pytest.raises(InvalidRequestError, match="refused request 'bad': token id out of range"):
+        await asyncio.wait_for(refused.get(), 1)
+    assert (await asyncio.wait_for(beside.get(), 1)).outputs[0].text == "x"
+    assert processor.finished == [("bad", "error")]
+    assert list(processor.request_states) == ["good"]
+
+
+async def test_abort_and_a_dead_engine_end_the_streams(processor):
+    aborted, failed = RequestOutputCollector(), RequestOutputCollector()
+    processor.add_request(request("ab"), None, aborted)
+    processor.add_request(request("f"), None, failed)
+    assert [s.request_id for s in processor.abort_requests(["ab", "unknown"])] == ["ab"]
+    assert (await asyncio.wait_for(aborted.get(), 1)).outputs[0].finish_reason == "abort"
+    processor.fail_all(RuntimeError("engine gone"))
+    with pytest.raises(RuntimeError, match="engine gone"):
+        await asyncio.wait_for(failed.get(), 1)
+    # A dead engine's requests get no finish hook: they did not finish.
+    assert processor.finished == [("ab", "abort")] and not processor.has_unfinished_requests()
