@@ -14,27 +14,48 @@ Each is a coroutine: the blocking call runs on one dedicated thread while the ev
 socket IO flowing, and the busy loop awaits each before it issues the next, so every rank issues
 them one at a time, in its loop's order (minicore/dp/engine.py states that order). A peer that dies
 fails the pending collective within a second or so (gloo sees its sockets close); one that hangs
-fails it after timeout_s. Left out: NCCL groups, several groups per process.
+fails it after timeout_s.
+
+Every socket of the group listens on the DP address only. Rank 0 binds the rendezvous store's
+socket itself, on address:port, and hands it to torch's TCPStore (whose own listens on every
+interface); the other ranks connect to it. gloo's sockets (the collectives' data connections) bind
+to the same address on rank 0's machine, elsewhere to the local address that reaches it (gloo's
+default: whatever the hostname resolves to). For that the group is built by hand, a ProcessGroup
+with a ProcessGroupGloo backend as in vLLM's stateless_init_torch_distributed_process_group
+(vllm/distributed/utils.py): init_process_group ignores a gloo backend's options, its devices
+included. So the group is not torch's default one, and every collective names it.
+Left out: NCCL groups.
 """
 
 import asyncio
+import errno
 import queue
+import socket
 import threading
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup, ProcessGroupGloo, TCPStore
 
 
 class DPGroup:
     def __init__(self, rank: int, size: int, address: str, port: int, timeout_s: float = 60.0):
         """Join the group: rank 0 hosts the rendezvous at address:port. Raises a RuntimeError
-        naming the address when not every rank arrives within timeout_s."""
+        naming the address when rank 0 cannot listen there, or when not every rank arrives within
+        timeout_s."""
         self.rank, self.size = rank, size
+        timeout = timedelta(seconds=timeout_s)
+        # Bound before the store exists: a port in use is an error now, not a timeout later.
+        listen_fd = _listen_on(address, port).detach() if rank == 0 else None
         try:
-            dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=rank,
-                                    world_size=size, timeout=timedelta(seconds=timeout_s))
-        except (RuntimeError, dist.DistError) as e:
+            # The store owns listen_fd from here (it closes it when it goes).
+            self._store = TCPStore(address, port, world_size=size, is_master=rank == 0,
+                                   timeout=timeout, wait_for_workers=True,
+                                   master_listen_fd=listen_fd, use_libuv=True)
+            self._group = _gloo_group(self._store, rank, size, _local_address_towards(address),
+                                      timeout)
+        except (RuntimeError, OSError) as e:  # DistError is a RuntimeError
             raise RuntimeError(f"DP rank {rank} of {size}: the group at tcp://{address}:{port} did "
                                f"not come together within {timeout_s:g} s: {e}") from e
         # A daemon thread: a collective stuck on a hung peer must not hold up the process's exit.
@@ -47,7 +68,7 @@ class DPGroup:
         """At startup, before any loop runs: all-gather settings that change which collectives a
         rank issues; a RuntimeError names the first that differs between ranks (a mismatch would
         otherwise be a hang)."""
-        gathered = _all_gather(torch.tensor(list(values.values()), dtype=torch.int64), self.size)
+        gathered = _all_gather(self._group, torch.tensor(list(values.values()), dtype=torch.int64))
         for i, name in enumerate(values):
             per_rank = [int(t[i]) for t in gathered]
             if len(set(per_rank)) > 1:
@@ -56,14 +77,15 @@ class DPGroup:
 
     async def has_global_unfinished_reqs(self, local_unfinished: bool) -> bool:
         flag = torch.tensor([int(local_unfinished)], dtype=torch.int32)
-        return bool(await self._run(_all_reduce_max, flag))
+        return bool(await self._run(_all_reduce_max, self._group, flag))
 
     async def gather_running_counts(self, num_running: int) -> list[int]:
         mine = torch.tensor([num_running], dtype=torch.int64)
-        return [int(t) for t in await self._run(_all_gather, mine, self.size)]
+        return [int(t) for t in await self._run(_all_gather, self._group, mine)]
 
     async def max_step_time(self, seconds: float) -> float:
-        return float(await self._run(_all_reduce_max, torch.tensor([seconds], dtype=torch.float64)))
+        seconds = torch.tensor([seconds], dtype=torch.float64)
+        return float(await self._run(_all_reduce_max, self._group, seconds))
 
     async def _run(self, fn, *args):
         loop = asyncio.get_running_loop()
@@ -83,18 +105,69 @@ class DPGroup:
     def destroy(self) -> None:
         self._calls.put(None)
         self._thread.join(timeout=1.0)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if self._group is not None:
+            self._group.shutdown()
+            # Rank 0's store stops listening once the last reference (the group's) goes.
+            self._group = self._store = None
 
 
-def _all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+def _listen_on(address: str, port: int) -> socket.socket:
+    """Rank 0's listening socket for the store, on address:port only."""
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            # A port left in TIME_WAIT by the previous server is fine; one in use is not.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(sockaddr)
+            sock.listen(128)
+        except OSError:
+            sock.close()
+            raise
+    except OSError as e:
+        hint = {errno.EADDRINUSE: f" (another server on --data-parallel-rpc-port {port}?)",
+                errno.EADDRNOTAVAIL: " (not an address of this machine)"}.get(e.errno, "")
+        raise RuntimeError(f"DP rank 0 cannot host the group's rendezvous on {address}:{port}: "
+                           f"{e}{hint}") from None
+    return sock
+
+
+def _local_address_towards(address: str) -> str:
+    """The address for this rank's gloo sockets: address itself where it is one of this machine's
+    (rank 0's machine), else the local address this machine reaches it from (no packet is sent)."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(address, 0, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((sockaddr[0], 0))
+            return sockaddr[0]
+        except OSError:
+            probe.connect(sockaddr)
+            return probe.getsockname()[0]
+
+
+def _gloo_group(store: TCPStore, rank: int, size: int, bind_address: str,
+                timeout: timedelta) -> ProcessGroup:
+    """A gloo process group whose sockets listen on bind_address (torch's init_process_group
+    cannot say where: it ignores a gloo backend's options)."""
+    options = ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [ProcessGroupGloo.create_device(hostname=bind_address)]
+    backend = ProcessGroupGloo(store, rank, size, options)  # connects to every peer
+    backend._set_sequence_number_for_group()
+    group = ProcessGroup(store, rank, size)
+    group._set_default_backend(ProcessGroup.BackendType.GLOO)
+    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
+    return group
+
+
+def _all_reduce_max(group: ProcessGroup, tensor: torch.Tensor) -> float:
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return tensor.item()
 
 
-def _all_gather(tensor: torch.Tensor, size: int) -> list[torch.Tensor]:
-    gathered = [torch.zeros_like(tensor) for _ in range(size)]
-    dist.all_gather(gathered, tensor)
+def _all_gather(group: ProcessGroup, tensor: torch.Tensor) -> list[torch.Tensor]:
+    gathered = [torch.zeros_like(tensor) for _ in range(group.size())]
+    dist.all_gather(gathered, tensor, group=group)
     return gathered
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 from pydantic import BaseModel, ConfigDict
 
-from minicore.sampling_params import SamplingParams
+from minicore.sampling_params import SamplingParams, check_text
 
 # OpenAI parameters minicore does not implement, with the values that mean "not used".
 UNSUPPORTED_PARAMS: dict[str, tuple] = {
@@ -68,6 +68,14 @@ class OpenAIError(Exception):
 
     def to_response(self) -> ErrorResponse:
         return make_error(self.message, self.status, self.param)
+
+
+def check_text_param(param: str, text: str) -> None:
+    """Text the tokenizer and the JSON encoder can take (no lone surrogate), else a 400."""
+    try:
+        check_text(param, text)
+    except ValueError as e:
+        raise OpenAIError(str(e), 400, param) from None
 
 
 def make_error(message: str, status: int, param: str | None = None) -> ErrorResponse:
@@ -303,3 +311,10 @@ _encoder = msgspec.json.Encoder()
 def to_json(record: Any) -> bytes:
     return _encoder.encode(record)
 
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(record) -> bytes:
+    """One server-sent event carrying a record as JSON."""
+    return b"data: " + to_json(record) + b"\n\n"

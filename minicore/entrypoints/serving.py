@@ -25,6 +25,7 @@ from minicore.engine.async_llm import AsyncLLM
 from minicore.engine.core_client import EngineDeadError
 from minicore.engine.input_processor import InvalidRequestError
 from minicore.entrypoints.openai_protocol import (
+    SSE_DONE,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -44,30 +45,16 @@ from minicore.entrypoints.openai_protocol import (
     TokenizeRequest,
     TokenizeResponse,
     UsageInfo,
+    check_text_param,
     make_error,
     random_uuid,
-    to_json,
+    sse,
 )
 from minicore.outputs import RequestOutput
 from minicore.protocol import EngineCoreRequest
-from minicore.sampling_params import INT64_MIN, SamplingParams, check_text
+from minicore.sampling_params import INT64_MIN, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-def sse(record) -> bytes:
-    return b"data: " + to_json(record) + b"\n\n"
-
-
-def _check_text(param: str, text: str) -> None:
-    """Text the tokenizer and the JSON encoder can take, else a 400 naming param."""
-    try:
-        check_text(param, text)
-    except ValueError as e:
-        raise OpenAIError(str(e), 400, param) from None
-
 
 @dataclass(slots=True)
 class Prompt:
@@ -108,7 +95,7 @@ class OpenAIServing:
     def check_model(self, model: str | None) -> None:
         if model is None:
             return
-        _check_text("model", model)
+        check_text_param("model", model)
         if model not in self.model_names:
             raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
 
@@ -399,7 +386,7 @@ class OpenAIServing:
             raise OpenAIError("give either a prompt or messages", 400, "prompt")
         text = (request.prompt if request.messages is None
                 else self._apply_chat_template(request.messages, request.add_generation_prompt))
-        _check_text("prompt" if request.messages is None else "messages", text)
+        check_text_param("prompt" if request.messages is None else "messages", text)
         tokens = self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
         return TokenizeResponse(len(tokens), self.max_model_len, tokens)
 

@@ -1,13 +1,15 @@
 """The DP group with real processes and real gloo collectives: the unfinished-requests all-reduce,
 the balance gather into BalanceScheduler.balance_counts (both awaited from an event loop), a clear
 error when a rank never arrives (in the group, and at the frontend), and one when ranks disagree on
-a setting that changes their collectives. Every wait is bounded."""
+a setting that changes their collectives; every socket of the group listens on the DP address only.
+Every wait is bounded."""
 
 import asyncio
 import multiprocessing
 import socket
 import time
 
+import psutil
 import pytest
 from dp_helpers import free_port_pair
 
@@ -85,6 +87,42 @@ def test_a_missing_rank_is_a_clear_error_not_a_hang():
             proc.kill()
     assert f"DP rank 0 of 2: the group at tcp://127.0.0.1:{port} did not come together" in message
     assert elapsed < 30
+
+
+def _listening_rank(rank: int, port: int, results) -> None:
+    group = DPGroup(rank, 2, "127.0.0.1", port, timeout_s=20)
+    try:
+        # After a collective every gloo connection is up; the second keeps rank 1 in the group
+        # while rank 0 looks.
+        asyncio.run(group.has_global_unfinished_reqs(False))
+        if rank == 0:
+            results.put(sorted((c.laddr.ip, c.laddr.port) for c in
+                               psutil.Process().net_connections(kind="tcp")
+                               if c.status == psutil.CONN_LISTEN))
+        asyncio.run(group.has_global_unfinished_reqs(False))
+    finally:
+        group.destroy()
+
+
+def test_the_group_listens_on_the_dp_address_only():
+    # torch's own TCPStore listens on every interface (0.0.0.0 / ::), and gloo's sockets on
+    # whatever the hostname resolves to: reachable by anyone who can reach the machine.
+    ctx = multiprocessing.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_listening_rank, args=(r, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        listening = results.get(timeout=60)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert {ip for ip, _ in listening} == {"127.0.0.1"}, listening
+    assert ("127.0.0.1", port) in listening  # the store
+    assert len(listening) >= 2  # and gloo's listener
 
 
 def _rank_with_settings(rank: int, port: int, settings: dict[str, int], results) -> None:
