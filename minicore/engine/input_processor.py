@@ -3,12 +3,12 @@ an EngineCoreRequest, for the offline LLM, AsyncLLM and the HTTP server alike.
 
 Mirrors vllm/v1/engine/input_processor.py (process_inputs, _validate_model_input): a text prompt
 is tokenized (without special tokens: a chat template already holds them), token ids must be
-integers in the vocabulary, the prompt must hold 1 to max_model_len tokens, a priority needs the
-priority policy and a DP rank must exist; text must be valid Unicode and integers must fit in 64
-bits (SamplingParams checks its own fields). Everything is checked before anything is sent, so a
-refused request leaves nothing behind. The engine checks the prompt's token ids again with
-validate_prompt_token_ids (it trusts no frontend). Left out: multimodal inputs, LoRA, structured output,
-tokenization caches.
+integers in the vocabulary, the prompt must hold 1 to max_model_len - 1 tokens (room for one
+output token, as in vLLM), a priority needs the priority policy and a DP rank must exist; text must
+be valid Unicode and integers must fit in 64 bits (SamplingParams checks its own fields).
+Everything is checked before anything is sent, so a refused request leaves nothing behind. The
+engine checks the prompt's token ids again with validate_prompt_token_ids (it trusts no frontend).
+Left out: multimodal inputs, LoRA, structured output, tokenization caches.
 """
 
 import time
@@ -80,12 +80,14 @@ class InputProcessor:
 
 
 def validate_prompt_token_ids(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
-    """ValueError unless the prompt holds 1 to max_model_len integer ids in [0, vocab_size)."""
+    """ValueError unless the prompt holds 1 to max_model_len - 1 integer ids in
+    [0, vocab_size): as vLLM's input processor, a prompt must leave room for one output token."""
     if not token_ids:
         raise ValueError("the prompt is empty: it must contain at least one token")
-    if len(token_ids) > max_model_len:
-        raise ValueError(f"the prompt has {len(token_ids)} tokens, more than max_model_len "
-                         f"({max_model_len})")
+    if len(token_ids) >= max_model_len:
+        than = "more than" if len(token_ids) > max_model_len else "as many as"
+        raise ValueError(f"the prompt has {len(token_ids)} tokens, {than} max_model_len "
+                         f"({max_model_len}): it must leave room for an output token")
     # The engine would drop a request whose ids do not decode as ints: refuse it here.
     if (not all(type(t) is int for t in token_ids)
             or min(token_ids) < 0 or max(token_ids) >= vocab_size):

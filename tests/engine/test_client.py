@@ -213,6 +213,9 @@ async def test_invalid_requests_raise_and_send_nothing(client):
         too_long = r"the prompt has 513 tokens, more than max_model_len \(512\)"
         with pytest.raises(ValueError, match=too_long):
             await first([5] * 513)
+        # As vLLM: a prompt must leave room for one output token.
+        with pytest.raises(ValueError, match=r"512 tokens, as many as max_model_len \(512\)"):
+            await first([5] * 512)
         with pytest.raises(ValueError, match=r"must be integers in \[0, 49152\)"):
             await first([5, 49152])
         with pytest.raises(ValueError, match="must be integers"):

@@ -120,6 +120,15 @@ def test_prompt_longer_than_max_model_len_is_rejected_and_nothing_leaks(llm):
                .outputs[0].token_ids) == 4
 
 
+def test_prompt_of_exactly_max_model_len_is_rejected_as_vllm_does(llm):
+    # No room for one output token: vLLM's input processor refuses it too.
+    with pytest.raises(ValueError, match=r"256 tokens, as many as max_model_len \(256\)"):
+        llm.generate([list(range(100, 100 + 256))], SamplingParams(max_tokens=4), use_tqdm=False)
+    _assert_idle(llm)
+    assert len(llm.generate([list(range(100, 100 + 255))], SamplingParams(max_tokens=4),
+                            use_tqdm=False)[0].outputs[0].token_ids) == 1
+
+
 @pytest.mark.parametrize("prompt", ["", [], [10**9]])
 def test_empty_or_out_of_vocabulary_prompt_is_rejected(llm, prompt):
     with pytest.raises(ValueError):
