@@ -156,7 +156,14 @@ class SamplingRequest(OpenAIBaseModel):
         except ValueError as e:
             # SamplingParams' messages start with the parameter's name.
             name = str(e).split(" ", 1)[0]
+            if name == "max_tokens":
+                name = self.max_tokens_field
             raise OpenAIError(str(e), 400, name if name in type(self).model_fields else None) from None
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The field the client gave the completion's length in."""
+        return "max_tokens"
 
 
 class CompletionRequest(SamplingRequest):
@@ -193,6 +200,10 @@ class ChatCompletionRequest(SamplingRequest):
     def requested_max_tokens(self) -> int | None:
         """max_completion_tokens (OpenAI's current name) wins over max_tokens (deprecated)."""
         return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
 
 
 class TokenizeRequest(OpenAIBaseModel):

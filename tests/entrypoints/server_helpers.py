@@ -1,6 +1,7 @@
 """A real `python -m minicore serve` for the end-to-end tests, started on a free port in its own
 session (process group), so that whatever it started is killed at the end whatever happened."""
 
+import json
 import os
 import signal
 import socket
@@ -81,3 +82,50 @@ class ServerProcess:
             pass
         self.proc.wait(5)
         self.log_path.unlink(missing_ok=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# For the hostile-input tests (test_fuzz.py, test_hostile_input.py): raw JSON requests and checks.
+
+
+def json_body(body) -> bytes:
+    """body as a real client sends it: ASCII JSON, so a lone surrogate goes over the wire as the
+    escape \\ud800 (valid JSON; Python's json decodes it back to the lone surrogate)."""
+    return json.dumps(body, ensure_ascii=True, allow_nan=False).encode()
+
+
+def post_json(http: httpx.Client, path: str, body, **kwargs) -> httpx.Response:
+    return http.post(path, content=json_body(body), headers={"Content-Type": "application/json"},
+                     **kwargs)
+
+
+def check_openai_error(response: httpx.Response, status: int) -> dict:
+    """Assert response is an OpenAI error body {"error": {message, type, param, code}} with this
+    status; return its "error" object."""
+    assert response.status_code == status, (response.status_code, response.text[:500])
+    body = response.json()
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    error = body["error"]
+    assert isinstance(error, dict), body
+    assert {"message", "type", "param", "code"} <= set(error), body
+    assert isinstance(error["message"], str) and error["message"], body
+    assert isinstance(error["type"], str) and error["type"], body
+    assert error["param"] is None or isinstance(error["param"], str), body
+    assert error["code"] == status, body
+    return error
+
+
+ENGINE_STATE_GAUGES = ("minicore:num_requests_running", "minicore:num_requests_waiting",
+                       "minicore:kv_cache_usage_perc")
+
+
+def engine_state(http: httpx.Client, model_name: str, engine: str = "0") -> dict[str, float]:
+    """The engine-state gauges of /metrics (running, waiting, KV cache usage) for one engine;
+    a gauge that is missing reads as None."""
+    want = sorted([f'model_name="{model_name}"', f'engine="{engine}"'])
+    values = dict.fromkeys(ENGINE_STATE_GAUGES)
+    for line in http.get("/metrics").text.splitlines():
+        name, _, rest = line.partition("{")
+        if name in values and sorted(rest[:rest.index("}")].split(",")) == want:
+            values[name] = float(line.rsplit(" ", 1)[1])
+    return values
