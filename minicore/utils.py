@@ -10,11 +10,16 @@ import zmq
 
 
 def make_zmq_socket(ctx: zmq.Context, address: str, socket_type: int, *, bind: bool,
-                    identity: bytes | None = None, linger: int = 0) -> zmq.Socket:
+                    identity: bytes | None = None, linger: int = 0, rcvhwm: int = 0,
+                    max_msg_size: int = -1) -> zmq.Socket:
+    """rcvhwm and max_msg_size (-1: none) bound what a socket that reads little may queue; they
+    must be set before bind or connect to apply to the connections made then."""
     sock = ctx.socket(socket_type)
-    # No high-water marks: past one a ROUTER drops messages silently, and no message may be lost.
+    # No high-water marks by default: past one a ROUTER drops messages silently, and no message
+    # may be lost.
     sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, rcvhwm)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size)
     sock.setsockopt(zmq.LINGER, linger)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)

@@ -99,7 +99,7 @@ class AsyncMPClient:
 
     # ---- startup -------------------------------------------------------------------------------
 
-    def _bind(self, socket_type: int, name: str) -> zmq.Socket:
+    def _bind(self, socket_type: int, name: str, **options) -> zmq.Socket:
         """Bind a frontend socket: ipc for one engine; tcp with data parallelism, so that ranks on
         other machines can connect (the handshake at rpc_port + 1, the others on free ports)."""
         pc = self.config.parallel_config
@@ -110,18 +110,17 @@ class AsyncMPClient:
         else:
             address = f"tcp://{pc.data_parallel_address}:*"
         try:
-            return make_zmq_socket(self.ctx, address, socket_type, bind=True)
+            return make_zmq_socket(self.ctx, address, socket_type, bind=True, **options)
         except zmq.ZMQError as e:
             raise RuntimeError(f"the frontend cannot listen on {address}: {e}") from None
 
     async def start(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         # Sync: sends never block (no high-water mark) and cost no future each.
-        self.input_socket = self._bind(zmq.ROUTER, "input")
+        self.input_socket = self._bind(zmq.ROUTER, "input", rcvhwm=INPUT_RCVHWM,
+                                       max_msg_size=INPUT_MAX_MSG_BYTES)
         # Sending to an engine that is gone raises instead of dropping the message silently.
         self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.input_socket.setsockopt(zmq.RCVHWM, INPUT_RCVHWM)
-        self.input_socket.setsockopt(zmq.MAXMSGSIZE, INPUT_MAX_MSG_BYTES)
         output_socket = self._bind(zmq.PULL, "output")
         self.output_socket = zmq.asyncio.Socket.from_socket(output_socket)
         handshake = zmq.asyncio.Socket.from_socket(self._bind(zmq.ROUTER, "handshake"))

@@ -335,3 +335,36 @@ async def test_malformed_output_frames_are_dropped_and_the_client_keeps_serving(
     dropped = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
     assert len(dropped) == 3 and dropped[-1].endswith("(4 dropped so far)"), dropped
     await assert_idle(client)
+
+
+async def test_the_input_socket_holds_only_a_few_frames_from_a_stranger(client):
+    """The frontend's input ROUTER reads nothing after startup: frames a stranger sends it wait in
+    a short queue and then the stranger is held back, instead of piling up in memory (100 MB of
+    frames used to be buffered)."""
+    address = client.engine_core.input_socket.getsockopt_string(zmq.LAST_ENDPOINT)
+    ctx = zmq.Context()
+    stranger = ctx.socket(zmq.DEALER)
+    stranger.setsockopt(zmq.SNDHWM, 100)
+    stranger.connect(address)
+    accepted = 0
+    try:
+        async with asyncio.timeout(10):
+            while accepted < 100_000:
+                try:
+                    stranger.send(b"x" * 512, zmq.NOBLOCK)
+                except zmq.Again:
+                    # Not yet connected, or held back: wait a moment, and stop if still held.
+                    await asyncio.sleep(0.2)
+                    try:
+                        stranger.send(b"x" * 512, zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                accepted += 1
+    finally:
+        stranger.close(linger=0)
+        ctx.term()
+    # The stranger's own queue, the frontend's and the kernel's buffers: a few thousand at most.
+    assert accepted < 5_000, accepted
+    async with asyncio.timeout(10):
+        outputs = [o async for o in client.generate([6], SamplingParams(max_tokens=2), "after")]
+    assert outputs[-1].finished and client.is_healthy
