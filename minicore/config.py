@@ -46,6 +46,9 @@ class SchedulerConfig:
            "token budget")
     enable_chunked_prefill: bool = _flag(
         True, "split a prompt over steps when it does not fit one step's token budget")
+    scheduler_reserve_full_isl: bool = _flag(
+        True, "admit a waiting request only when the KV cache has room for its whole current "
+              "sequence, not just for the chunk scheduled now (vLLM's default)")
     policy: SchedulingPolicy = _flag(
         "fcfs", "fcfs: arrival order; priority: the smallest request priority first, then arrival "
                 "order", flag="--scheduling-policy")
@@ -54,8 +57,9 @@ class SchedulerConfig:
         False, "hold back admission on every rank while one is nearly full (vllm-ascend's "
                "balance scheduling)", group="data parallel")
     balance_threshold: BalanceThreshold = _flag(
-        "seed", "seed: gate at max_num_seqs - 1 running (vllm-ascend PR #5212, as merged); "
-                "full: at max_num_seqs (vllm-ascend's later fix)", group="data parallel")
+        "seed", "full: gate while a rank is full, max_num_seqs running (vllm-ascend PR #5212, "
+                "the published result); seed: at max_num_seqs - 1 (vllm-ascend PR #7611, "
+                "reverted in #8675)", group="data parallel")
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

@@ -130,8 +130,10 @@ def test_num_blocks_required():
 # ---------------------------------------------------------------- freeing order and lazy eviction
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False])
-def test_finished_request_blocks_go_to_tail_in_reverse(prefix_caching):
+@pytest.mark.parametrize("prefix_caching, expected", [(True, [4, 5, 3, 2, 1]),
+                                                      (False, [3, 2, 1, 4, 5])])
+def test_freed_blocks_go_in_reverse_hashed_to_the_tail_others_to_the_head(prefix_caching,
+                                                                          expected):
     s = make_scheduler(num_blocks=6, block_size=4, enable_prefix_caching=prefix_caching)
     a = make_request("a", 12, max_tokens=1)
     s.add_request(a)
@@ -139,8 +141,18 @@ def test_finished_request_blocks_go_to_tail_in_reverse(prefix_caching):
     assert out.num_scheduled_tokens == {"a": 12}
     assert a.is_finished()
     assert num_free(s) == 5
-    # a held [1, 2, 3]; freed in reverse and appended to the tail: 3 is evicted before 1.
-    assert free_ids(s) == [4, 5, 3, 2, 1]
+    # a held [1, 2, 3], freed in reverse. Cached (hashed) blocks go to the tail, 3 evicted
+    # before 1; blocks without a hash can never be hit and go to the head, reused first
+    # (vLLM 0.32's BlockPool.free_blocks).
+    assert free_ids(s) == expected
+
+
+def test_a_partly_filled_block_is_reused_before_the_cached_ones():
+    s = make_scheduler(num_blocks=6, block_size=4)
+    s.add_request(make_request("a", 10, max_tokens=1))
+    step(s)
+    # Blocks 1 and 2 are full and cached (to the tail, 2 first); 3 holds 2 tokens, no hash.
+    assert free_ids(s) == [3, 4, 5, 2, 1]
 
 
 def test_new_blocks_come_from_head():
@@ -160,7 +172,8 @@ def test_freed_block_keeps_hash_and_is_still_hit():
     s.add_request(a)
     step(s)
     assert a.is_finished()
-    assert free_ids(s) == [4, 5, 3, 2, 1]
+    # the partial block 3 has no hash: to the head; the cached 1, 2 to the tail
+    assert free_ids(s) == [3, 4, 5, 2, 1]
     hashes = {b.block_id: b.block_hash for b in
               s.kv_cache_manager.block_pool.free_block_queue.get_all_free_blocks()}
     assert hashes[1] is not None and hashes[2] is not None  # full blocks: cached
@@ -170,7 +183,7 @@ def test_freed_block_keeps_hash_and_is_still_hit():
     b = make_request("b", prompt, max_tokens=1)
     s.add_request(b)
     out, _ = step(s)
-    # hit blocks 1, 2 (8 tokens; max hit = (9-1)//4 = 2 blocks), 1 new block from the head (4)
+    # hit blocks 1, 2 (8 tokens; max hit = (9-1)//4 = 2 blocks), 1 new block from the head (3)
     assert b.num_cached_tokens == 8
     assert out.num_scheduled_tokens == {"b": 1}
 
@@ -182,8 +195,8 @@ def test_hit_block_is_removed_from_free_queue_while_used():
     step(s)
     s.add_request(make_request("b", prompt, max_tokens=5))
     step(s)
-    assert s.kv_cache_manager.get_block_ids("b") == [1, 2, 4]
-    assert free_ids(s) == [5, 3]
+    assert s.kv_cache_manager.get_block_ids("b") == [1, 2, 3]
+    assert free_ids(s) == [4, 5]
     assert num_free(s) == 2
 
 

@@ -134,7 +134,10 @@ class ModelRunner(ModelRunnerBase):
         if not all_greedy and any(p.top_p < 1 for p in params):
             top_p = torch.tensor([p.top_p for p in params], device=self.device)
         generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
-        return SamplingMetadata(temperature, top_k, top_p, generators, all_greedy)
+        # A stop id past the vocabulary can never be sampled: nothing to mask (nor to index).
+        blocked = {i: ids for i, s in enumerate(states)
+                   if (ids := [t for t in s.min_tokens_blocked_ids() if t < self.vocab_size])}
+        return SamplingMetadata(temperature, top_k, top_p, generators, all_greedy, blocked)
 
     def _forward_dummy(self, num_tokens: int, kv_caches: list[torch.Tensor]) -> None:
         """A forward of num_tokens tokens of one sequence, writing only into kv_caches."""

@@ -40,8 +40,19 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     sampling_params: SamplingParams
+    num_prompt_tokens: int = 0
+    eos_token_id: int | None = None
     # The real runner's torch.Generator for a seeded request.
     generator: Any = None
+
+    def min_tokens_blocked_ids(self) -> list[int]:
+        """The token ids it may not sample yet: EOS (unless ignored) and the stop ids, until it
+        has min_tokens outputs (vLLM's MinTokensLogitsProcessor)."""
+        params = self.sampling_params
+        if len(self.token_ids) - self.num_prompt_tokens >= params.min_tokens:
+            return []
+        eos = [] if self.eos_token_id is None or params.ignore_eos else [self.eos_token_id]
+        return eos + params.stop_token_ids
 
 
 class ModelRunnerBase:
@@ -60,7 +71,8 @@ class ModelRunnerBase:
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = CachedRequestState(
                 list(new.token_ids), list(new.block_ids), new.num_computed_tokens,
-                new.sampling_params, self._make_generator(new.sampling_params.seed))
+                new.sampling_params, new.num_prompt_tokens, new.eos_token_id,
+                self._make_generator(new.sampling_params.seed))
         cached = so.scheduled_cached_reqs
         for req_id, new_block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
                                                         cached.num_computed_tokens):

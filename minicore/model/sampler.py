@@ -3,10 +3,12 @@
 Mirrors vllm/v1/sample/sampler.py and ops/topk_topp_sampler.py. Random rows are sampled with the
 exponential race (argmax of probs / Exp(1) noise), which draws exactly from probs without a
 multinomial. A seeded request draws its noise from its own generator, so its tokens do not depend
-on what else is in the batch. Left out: logprobs, penalties, min-p, logit bias, bad words.
+on what else is in the batch. Until a request has min_tokens outputs, its EOS and stop ids are
+masked (vLLM's MinTokensLogitsProcessor), greedy rows included. Left out: logprobs, penalties,
+min-p, logit bias, bad words.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +20,8 @@ class SamplingMetadata:
     top_p: torch.Tensor | None  # [B] float, 1 = off; None when no row uses it
     generators: dict[int, torch.Generator]  # row -> generator, for seeded rows
     all_greedy: bool
+    # row -> token ids it may not sample yet (min_tokens); only rows that have some.
+    blocked_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
@@ -39,6 +43,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
 
 def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Sample one token per row of logits [B, V] (float32); returns [B] token ids."""
+    for row, token_ids in meta.blocked_token_ids.items():
+        logits[row, token_ids] = float("-inf")
     greedy = logits.argmax(dim=-1)
     if meta.all_greedy:
         return greedy

@@ -1,8 +1,11 @@
 """KV cache blocks, the LRU free queue, prefix-cache hashing and the pool that owns them.
 
 Mirrors vllm/v1/core/block_pool.py and vllm/v1/core/kv_cache_utils.py (KVCacheBlock,
-FreeKVCacheBlockQueue, hash_block_tokens). Left out: KV events, multiple KV cache groups, and
-several blocks per hash (a block computed twice in parallel is simply not cached a second time).
+FreeKVCacheBlockQueue, BlockHashToBlockMap, hash_block_tokens), as of vLLM 0.32: several blocks may
+be cached under one hash (a block computed twice stays cached: block tables are append-only, so
+nothing is de-duplicated), and freed blocks without a hash go to the front of the free queue (reused
+first) while hashed ones go to the tail (evicted last, least recently used first). Left out: KV
+events, multiple KV cache groups.
 """
 
 import hashlib
@@ -71,9 +74,19 @@ class FreeKVCacheBlockQueue:
         self.num_free_blocks -= 1
 
     def append(self, block: KVCacheBlock) -> None:
-        last = self.tail.prev_free_block
-        last.next_free_block, block.prev_free_block = block, last
-        block.next_free_block, self.tail.prev_free_block = self.tail, block
+        self._insert_after(self.tail.prev_free_block, block)
+
+    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Put blocks at the head, in the given order: the first given is the first handed out."""
+        prev = self.head
+        for block in blocks:
+            self._insert_after(prev, block)
+            prev = block
+
+    def _insert_after(self, prev: KVCacheBlock, block: KVCacheBlock) -> None:
+        nxt = prev.next_free_block
+        prev.next_free_block, block.prev_free_block = block, prev
+        block.next_free_block, nxt.prev_free_block = nxt, block
         self.num_free_blocks += 1
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
@@ -101,7 +114,8 @@ class BlockPool:
         self.blocks = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.enable_caching = enable_caching
-        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        # hash -> the blocks cached under it, by block id, in the order they were cached.
+        self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
         # Block 0 is never handed out: the model runner points padding slots at it.
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
@@ -113,7 +127,9 @@ class BlockPool:
         return 1.0 - self.get_num_free_blocks() / (len(self.blocks) - 1)
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        return self.cached_block_hash_to_block.get(block_hash)
+        """The first block cached under the hash, if any (vLLM's get_one_block)."""
+        blocks = self.cached_block_hash_to_block.get(block_hash)
+        return next(iter(blocks.values())) if blocks else None
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
         blocks = self.free_block_queue.popleft_n(n)
@@ -124,13 +140,15 @@ class BlockPool:
         return blocks
 
     def evict_cached_block(self, block: KVCacheBlock) -> None:
-        del self.cached_block_hash_to_block[block.block_hash]
+        blocks = self.cached_block_hash_to_block[block.block_hash]
+        del blocks[block.block_id]
+        if not blocks:
+            del self.cached_block_hash_to_block[block.block_hash]
         block.block_hash = None
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
-        if block_hash not in self.cached_block_hash_to_block:
-            block.block_hash = block_hash
-            self.cached_block_hash_to_block[block_hash] = block
+        block.block_hash = block_hash
+        self.cached_block_hash_to_block.setdefault(block_hash, {})[block.block_id] = block
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-hit blocks; a free one leaves the free queue."""
@@ -140,17 +158,25 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop a reference; blocks no longer used go to the tail of the free queue in the given
-        order, so the first given is the first evicted."""
+        """Drop a reference, in eviction order (the first given is the first to go). Blocks no
+        longer used without a hash can never be hit: they go to the head of the free queue, to be
+        reused first; hashed ones to the tail, so the prefix cache loses its least recently used
+        blocks first."""
+        reuse_first = []
         for block in ordered_blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_block_queue.append(block)
+                if block.block_hash is None:
+                    reuse_first.append(block)
+                else:
+                    self.free_block_queue.append(block)
+        self.free_block_queue.prepend_n(reuse_first)
 
     def reset_prefix_cache(self) -> bool:
         if self.get_num_free_blocks() != len(self.blocks) - 1:
             return False
-        for block in self.cached_block_hash_to_block.values():
-            block.block_hash = None
+        for blocks in self.cached_block_hash_to_block.values():
+            for block in blocks.values():
+                block.block_hash = None
         self.cached_block_hash_to_block.clear()
         return True

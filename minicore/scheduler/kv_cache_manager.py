@@ -76,10 +76,13 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        num_new_computed_tokens: int = 0,
-                       new_computed_blocks: list[KVCacheBlock] = ()) -> KVCacheBlocks | None:
+                       new_computed_blocks: list[KVCacheBlock] = (),
+                       full_sequence_must_fit: bool = False) -> KVCacheBlocks | None:
         """Make room for num_new_tokens more tokens after the request's computed ones (plus the
         prefix hit being taken now). Returns the newly allocated blocks, or None, having changed
-        nothing, when the pool cannot supply them."""
+        nothing, when the pool cannot supply them. full_sequence_must_fit: None also unless the
+        pool could hold the request's whole current sequence (vLLM's scheduler_reserve_full_isl
+        admission check: a chunked prefill is not admitted only to be preempted halfway)."""
         req_id = request.request_id
         blocks = self.req_to_blocks.get(req_id)
         if blocks is None:
@@ -88,10 +91,15 @@ class KVCacheManager:
         num_new_blocks = -(-num_tokens // self.block_size) - len(blocks) - len(new_computed_blocks)
         new_blocks = _NO_BLOCKS
         # Most decode steps need no new block and bring no prefix hit: nothing to allocate.
-        if num_new_blocks > 0 or new_computed_blocks:
+        if num_new_blocks > 0 or new_computed_blocks or full_sequence_must_fit:
             # Cached blocks sitting in the free queue stop being free once this request takes them.
-            num_evictable = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
-            if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable:
+            num_free = self.block_pool.get_num_free_blocks() - sum(
+                1 for block in new_computed_blocks if block.ref_cnt == 0)
+            if full_sequence_must_fit:
+                full_blocks = -(-request.num_tokens // self.block_size)
+                if full_blocks - len(blocks) - len(new_computed_blocks) > num_free:
+                    return None
+            if num_new_blocks > num_free:
                 return None
             self.block_pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)

@@ -21,11 +21,14 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # The sampler masks it (and the stop ids) until min_tokens outputs exist.
+    eos_token_id: int | None = None
 
     @classmethod
     def from_request(cls, request: Request, block_ids: list[int]) -> "NewRequestData":
         return cls(request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
-                   request.sampling_params, block_ids, request.num_computed_tokens)
+                   request.sampling_params, block_ids, request.num_computed_tokens,
+                   request.eos_token_id)
 
 
 @dataclass(slots=True)

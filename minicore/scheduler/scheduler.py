@@ -29,6 +29,8 @@ class _StepState:
     """What one schedule() call has scheduled so far; its phases fill it in place. The token
     budget is passed and returned instead: the running loop keeps it in a local, since an
     attribute would cost a lookup per request."""
+    # long_prefill_token_threshold, or 0 when one request alone has nobody to starve.
+    long_prefill_threshold: int
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
     new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -130,7 +132,8 @@ class Scheduler:
         # A scheduled request's tokens count as computed at once, so that a long prompt's next
         # chunk can be scheduled before this step's output is back. The output records the counts
         # from before this step.
-        step = _StepState()
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        step = _StepState(threshold if len(self.running) + len(self.waiting) > 1 else 0)
         token_budget = self._schedule_running(step, self.max_num_scheduled_tokens)
         # A preemption means the KV cache is full: admitting now would only preempt again.
         if not step.preempted_reqs and not self._admission_gated():
@@ -149,7 +152,7 @@ class Scheduler:
     def _schedule_running(self, step: _StepState, token_budget: int) -> int:
         """RUNNING requests first, in order; returns the budget left. running is changed only in
         place (by preemption), so req_index walks it while it shrinks."""
-        threshold = self.scheduler_config.long_prefill_token_threshold
+        threshold = step.long_prefill_threshold
         running, allocate_slots = self.running, self.kv_cache_manager.allocate_slots
         num_scheduled_tokens = step.num_scheduled_tokens
         add_req_id = step.cached_reqs.req_ids.append
@@ -215,8 +218,9 @@ class Scheduler:
         """Admit WAITING requests in queue order while budget and max_num_seqs allow; returns the
         budget left. Without chunked prefill a prompt that does not fit stops admission."""
         kv = self.kv_cache_manager
-        threshold = self.scheduler_config.long_prefill_token_threshold
+        threshold = step.long_prefill_threshold
         chunked = self.scheduler_config.enable_chunked_prefill
+        full_sequence_must_fit = self.scheduler_config.scheduler_reserve_full_isl
         waiting, running = self.waiting, self.running
         while waiting and token_budget > 0 and len(running) < self.max_num_running_reqs:
             request = waiting.peek_request()
@@ -227,7 +231,8 @@ class Scheduler:
             if not chunked and num_new_tokens > token_budget:
                 break
             num_new_tokens = min(num_new_tokens, token_budget)
-            if kv.allocate_slots(request, num_new_tokens, num_computed, computed_blocks) is None:
+            if kv.allocate_slots(request, num_new_tokens, num_computed, computed_blocks,
+                                 full_sequence_must_fit) is None:
                 break
             waiting.pop_request()
             kv.record_prefix_cache_query(request.num_tokens, num_computed)
@@ -246,17 +251,19 @@ class Scheduler:
     # ---- after the forward ---------------------------------------------------------------------
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
-        """The status the request's newest token finishes it with, if any."""
+        """The status the request's newest token finishes it with, if any: EOS, a stop token id,
+        then the length caps, as vLLM's check_stop (vllm/v1/core/sched/utils.py). min_tokens is
+        not looked at here: the sampler masks EOS and the stop ids until min_tokens outputs exist,
+        so they cannot arrive before."""
         params = request.sampling_params
         output_token_ids = request.output_token_ids
         num_output_tokens = len(output_token_ids)
-        if num_output_tokens >= params.min_tokens:
-            last_token_id = output_token_ids[-1]
-            if last_token_id == request.eos_token_id and not params.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED
-            if last_token_id in params.stop_token_ids:
-                request.stop_reason = last_token_id
-                return RequestStatus.FINISHED_STOPPED
+        last_token_id = output_token_ids[-1]
+        if last_token_id == request.eos_token_id and not params.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED
+        if last_token_id in params.stop_token_ids:
+            request.stop_reason = last_token_id
+            return RequestStatus.FINISHED_STOPPED
         if ((params.max_tokens is not None and num_output_tokens >= params.max_tokens)
                 or request.num_tokens >= self.max_model_len):
             return RequestStatus.FINISHED_LENGTH_CAPPED

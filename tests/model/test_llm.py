@@ -156,3 +156,18 @@ def test_generate_command_reports_a_bad_argument():
 def test_data_parallelism_is_refused_before_any_model_loads():
     with pytest.raises(ValueError, match="data_parallel_size must be 1"):
         LLM(data_parallel_size=2)
+
+
+def test_min_tokens_holds_back_eos_on_the_real_model(llm):
+    """EOS cannot be sampled before min_tokens outputs (the sampler masks it, as vLLM's
+    MinTokensLogitsProcessor does; the scheduler's stop check no longer looks at min_tokens)."""
+    chat = [{"role": "user", "content": "What is 2+2? Answer with one number."}]
+    eos = llm.get_tokenizer().eos_token_id
+    short = llm.chat(chat, SamplingParams(max_tokens=64, temperature=0), use_tqdm=False)[0]
+    natural = len(short.outputs[0].token_ids)
+    assert short.outputs[0].finish_reason == "stop" and natural < 32  # it does stop early
+    held = llm.chat(chat, SamplingParams(max_tokens=64, temperature=0, min_tokens=natural + 8),
+                    use_tqdm=False)[0].outputs[0]
+    assert len(held.token_ids) >= natural + 8
+    assert eos not in held.token_ids[:natural + 8 - 1]
+    _assert_idle(llm)
