@@ -34,6 +34,7 @@ def make_scheduler(
     block_size: int = 4,
     num_blocks: int = 64,
     enable_prefix_caching: bool = True,
+    scheduler_reserve_full_isl: bool = True,
     cls=Scheduler,
     **kwargs,
 ):
@@ -45,6 +46,7 @@ def make_scheduler(
         long_prefill_token_threshold=long_prefill_token_threshold,
         enable_chunked_prefill=enable_chunked_prefill,
         policy=policy,
+        scheduler_reserve_full_isl=scheduler_reserve_full_isl,
         **sched_cfg_kwargs,
     )
     cc = CacheConfig(
@@ -153,6 +155,22 @@ def num_free(s) -> int:
 def block(s, block_id: int):
     """The KVCacheBlock with this id (vLLM's BlockPool keeps them in ``.blocks``)."""
     return s.kv_cache_manager.block_pool.blocks[block_id]
+
+
+def spy_unscheduled_victims(s) -> list[str]:
+    """Record the ids of priority victims that were unscheduled after being scheduled in the same
+    step (the scheduler calls kv_cache_manager.uncache_blocks_after for exactly those); returns
+    the list it appends to."""
+    kv = s.kv_cache_manager
+    calls: list[str] = []
+    original = kv.uncache_blocks_after
+
+    def spy(request, num_computed_tokens):
+        calls.append(request.request_id)
+        return original(request, num_computed_tokens)
+
+    kv.uncache_blocks_after = spy
+    return calls
 
 
 def run_until_finished(s, tokens=None, max_steps: int = 1000):

@@ -78,11 +78,12 @@ def test_same_tokens_different_parent_different_hash_and_no_hit():
     assert c.num_cached_tokens == 0
     assert out.num_scheduled_tokens == {"c": 9}
     hashes = _free_hashes(s)
-    # a held blocks [1, 2, 3], c took [4, 5, 6] from the head of the free queue
+    # a held blocks [1, 2, 3]; its partial block 3 went to the head of the free queue, so c
+    # took [3, 4, 5]
     assert a_blocks_hashes[1] is not None and a_blocks_hashes[2] is not None
-    assert hashes[4] is not None and hashes[5] is not None
-    assert hashes[4] != a_blocks_hashes[1]
-    assert hashes[5] != a_blocks_hashes[2]  # same tokens y, different parent
+    assert hashes[3] is not None and hashes[4] is not None
+    assert hashes[3] != a_blocks_hashes[1]
+    assert hashes[4] != a_blocks_hashes[2]  # same tokens y, different parent
 
 
 def test_same_prefix_same_hash_is_shared():
@@ -95,6 +96,28 @@ def test_same_prefix_same_hash_is_shared():
     out, _ = step(s)
     assert b.num_cached_tokens == 4
     assert out.num_scheduled_tokens == {"b": 5}
+
+
+def test_a_block_computed_twice_stays_cached_under_its_hash():
+    """vLLM 0.32 caches every block under its hash (block tables are append-only, so nothing is
+    de-duplicated): when one copy is evicted, the other still hits."""
+    s = make_scheduler(block_size=4, num_blocks=20)
+    prompt = list(range(8))
+    _run_one(s, make_request("a", prompt, max_tokens=1))  # caches blocks [1, 2]
+    # The same prompt hits one block (one token is always recomputed) and computes its second
+    # block again, into a new block: now two blocks are cached under that hash.
+    b = make_request("b", prompt, max_tokens=1)
+    _run_one(s, b)
+    assert b.num_cached_tokens == 4
+    pool = s.kv_cache_manager.block_pool
+    second_hash = b.block_hashes[1]
+    copies = list(pool.cached_block_hash_to_block[second_hash].values())
+    assert [blk.block_id for blk in copies] == [2, 3]
+    assert pool.get_cached_block(second_hash) is copies[0]  # the first cached is the one hit
+    pool.evict_cached_block(copies[0])
+    c = make_request("c", prompt + [99], max_tokens=1)
+    _run_one(s, c)
+    assert c.num_cached_tokens == 8  # 4 if only the first copy had been cached
 
 
 def test_cache_salt():
@@ -159,8 +182,8 @@ def test_failed_allocate_slots_changes_nothing():
 def test_failed_admission_with_prefix_hit_leaves_cached_blocks_free():
     s = make_scheduler(block_size=4, num_blocks=5, max_model_len=64)
     prompt = list(range(9))
-    _run_one(s, make_request("a", prompt, max_tokens=1))  # blocks [1,2,3]; free [4,3,2,1]
-    assert free_ids(s) == [4, 3, 2, 1]
+    _run_one(s, make_request("a", prompt, max_tokens=1))  # blocks [1,2,3]; free [3,4,2,1]
+    assert free_ids(s) == [3, 4, 2, 1]
     # b would hit blocks 1, 2 but needs 7 blocks in all: only 4 usable -> cannot be admitted
     b = make_request("b", prompt[:8] + list(range(500, 520)), max_tokens=1)
     s.add_request(b)
@@ -169,7 +192,7 @@ def test_failed_admission_with_prefix_hit_leaves_cached_blocks_free():
     assert b.status == RequestStatus.WAITING
     assert b.num_computed_tokens == 0
     assert b.num_cached_tokens == -1  # never admitted
-    assert free_ids(s) == [4, 3, 2, 1]
+    assert free_ids(s) == [3, 4, 2, 1]
     assert num_free(s) == 4
     assert all(blk.ref_cnt == 0 for blk in
                s.kv_cache_manager.block_pool.free_block_queue.get_all_free_blocks())
@@ -226,7 +249,7 @@ def test_shared_prefix_ref_counts_same_step():
     assert num_free(s) == free0 + 1
     assert [block(s, i).ref_cnt for i in ids_b] == [1, 1, 1]
     assert ids_a[0] not in free_ids(s) and ids_a[1] not in free_ids(s)
-    assert free_ids(s)[-1] == ids_a[2]
+    assert free_ids(s)[0] == ids_a[2]  # no hash (1 token): reused first
     s.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
     assert num_free(s) == 19
     assert all(block(s, i).ref_cnt == 0 for i in ids_a + ids_b)

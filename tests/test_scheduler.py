@@ -1,8 +1,9 @@
 """Scheduler semantics with small exact numbers: what each step schedules (FCFS and priority, with
-and without chunked prefill and prefix caching), budget cuts, long_prefill_token_threshold,
-max_num_seqs, preemption (victim choice, returned budget, self-victim stop, front of the waiting
-queue, recompute on resume), stop conditions in their exact order, aborts, num_cached_tokens,
-prefix-cache stats, add_request errors and request counts."""
+and without chunked prefill and prefix caching), budget cuts, long_prefill_token_threshold (only
+with more than one request), scheduler_reserve_full_isl admission, max_num_seqs, preemption
+(victim choice, returned budget, self-victim stop, front of the waiting queue, recompute on
+resume), stop conditions in their exact order (min_tokens is the sampler's), aborts,
+num_cached_tokens, prefix-cache stats, add_request errors and request counts."""
 
 import time
 
@@ -17,6 +18,7 @@ from sched_helpers import (
     num_free,
     outputs_by_id,
     run_until_finished,
+    spy_unscheduled_victims,
     step,
 )
 
@@ -157,7 +159,36 @@ def test_long_prefill_threshold_without_chunking():
     s = make_scheduler(max_num_batched_tokens=16, max_model_len=16,
                        long_prefill_token_threshold=4, enable_chunked_prefill=False)
     s.add_request(make_request("a", 10, max_tokens=5))
-    assert step(s)[0].num_scheduled_tokens == {"a": 4}
+    s.add_request(make_request("b", 2, max_tokens=5))  # not alone: the threshold applies
+    assert step(s)[0].num_scheduled_tokens == {"a": 4, "b": 2}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("chunked", [True, False])
+def test_long_prefill_threshold_only_with_more_than_one_request(policy, chunked):
+    # vLLM applies long_prefill_token_threshold only when running + waiting > 1 at the start of
+    # schedule(): a lone request has nobody to starve and prefills in one go, budget permitting.
+    s = make_scheduler(max_num_batched_tokens=16, max_model_len=16, long_prefill_token_threshold=4,
+                       policy=policy, enable_chunked_prefill=chunked)
+    s.add_request(make_request("a", 10, max_tokens=5))
+    assert step(s)[0].num_scheduled_tokens == {"a": 10}
+    s = make_scheduler(max_num_batched_tokens=16, max_model_len=16, long_prefill_token_threshold=4,
+                       policy=policy, enable_chunked_prefill=chunked)
+    s.add_request(make_request("a", 10, max_tokens=5))
+    s.add_request(make_request("b", 10, max_tokens=5))
+    assert step(s)[0].num_scheduled_tokens == {"a": 4, "b": 4}
+
+
+def test_long_prefill_threshold_counts_requests_at_schedule_start():
+    # a alone: 10 tokens at once. Then b arrives: two requests, so both are cut to 4 (a decodes
+    # 1). Once b is the only one left, its remaining prompt is no longer cut.
+    s = make_scheduler(max_num_batched_tokens=16, max_model_len=32, long_prefill_token_threshold=4)
+    s.add_request(make_request("a", 10, max_tokens=1))
+    assert step(s)[0].num_scheduled_tokens == {"a": 10}  # a finishes (max_tokens=1)
+    s.add_request(make_request("b", 14, max_tokens=2))
+    s.add_request(make_request("c", 2, max_tokens=1))
+    assert step(s)[0].num_scheduled_tokens == {"b": 4, "c": 2}  # c finishes
+    assert step(s)[0].num_scheduled_tokens == {"b": 10}
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -257,6 +288,77 @@ def test_prefix_hit_in_same_step_changes_what_is_scheduled(policy, chunked):
         assert s.requests["b"].num_cached_tokens == 9 - expected_b
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("reserve_full_isl", [True, False])
+def test_reserve_full_isl_admits_only_a_whole_sequence_that_fits(policy, reserve_full_isl):
+    # 4 usable blocks of 4; a holds 1. b (16 tokens) needs 4 blocks in all, but its first chunk
+    # (7 tokens, the budget left) needs only 2 of the 3 free.
+    s = make_scheduler(block_size=4, num_blocks=5, max_num_batched_tokens=8, max_model_len=32,
+                       policy=policy, scheduler_reserve_full_isl=reserve_full_isl)
+    a = make_request("a", 2, max_tokens=3)  # at most 4 computed tokens: 1 block throughout
+    s.add_request(a)
+    assert step(s)[0].num_scheduled_tokens == {"a": 2}
+    b = make_request("b", 16, max_tokens=1)
+    s.add_request(b)
+    out, _ = step(s)
+    if reserve_full_isl:
+        assert out.num_scheduled_tokens == {"a": 1}  # b's whole prompt does not fit: waits
+        assert b.status == RequestStatus.WAITING and num_free(s) == 3
+        out, _ = step(s)  # a's last token: a finishes
+        assert out.num_scheduled_tokens == {"a": 1} and a.is_finished()
+        assert step(s)[0].num_scheduled_tokens == {"b": 8}  # 4 free blocks: b fits whole now
+    else:
+        assert out.num_scheduled_tokens == {"a": 1, "b": 7}
+        assert new_req_ids(out) == ["b"] and num_free(s) == 1
+    assert b.status == RequestStatus.RUNNING
+
+
+@pytest.mark.parametrize("reserve_full_isl", [True, False])
+def test_reserve_full_isl_counts_prefix_hits_taken_from_the_free_queue(reserve_full_isl):
+    # p leaves its 2 full blocks cached in the free queue. q holds 1 block. r (20 tokens: 5
+    # blocks) hits those 2: it needs 3 more, and only 2 of the 4 free blocks are not its own hits.
+    # Its first chunk (7 tokens after the 8 hit: 2 new blocks) would fit.
+    s = make_scheduler(block_size=4, num_blocks=6, max_num_batched_tokens=8, max_model_len=32,
+                       scheduler_reserve_full_isl=reserve_full_isl)
+    doc = list(range(500, 508))
+    s.add_request(make_request("p", doc, max_tokens=1))
+    run_until_finished(s)
+    q = make_request("q", 2, max_tokens=3)
+    s.add_request(q)
+    assert step(s)[0].num_scheduled_tokens == {"q": 2}
+    assert num_free(s) == 4
+    r = make_request("r", doc + list(range(600, 612)), max_tokens=1)
+    s.add_request(r)
+    out, _ = step(s)
+    if reserve_full_isl:
+        assert out.num_scheduled_tokens == {"q": 1}
+        assert r.status == RequestStatus.WAITING and r.num_cached_tokens == -1
+        assert num_free(s) == 4  # the hit blocks were not taken
+        step(s)  # q finishes: 5 free, 3 of them not r's hits
+        out, _ = step(s)
+        assert out.num_scheduled_tokens == {"r": 8} and r.num_cached_tokens == 8
+    else:
+        assert out.num_scheduled_tokens == {"q": 1, "r": 7}
+        assert r.num_cached_tokens == 8 and num_free(s) == 0
+
+
+def test_reserve_full_isl_does_not_apply_to_running_requests():
+    # 6 usable blocks of 4, chunks of 4 (two requests: the threshold applies). a (20 tokens) is
+    # admitted while its 5 blocks fit; b's decode then takes a block, and a's remaining 12 tokens
+    # (3 blocks) no longer fit the 2 free blocks: a running request only needs its chunk.
+    s = make_scheduler(block_size=4, num_blocks=7, max_num_batched_tokens=16,
+                       long_prefill_token_threshold=4)
+    a = make_request("a", 20)
+    s.add_request(a)
+    s.add_request(make_request("b", 4))
+    assert step(s)[0].num_scheduled_tokens == {"a": 4, "b": 4}
+    assert step(s)[0].num_scheduled_tokens == {"a": 4, "b": 1}  # b's 5th token: a 2nd block
+    assert num_free(s) == 2 and a.num_tokens - a.num_computed_tokens == 12
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"a": 4, "b": 1} and not out.preempted_req_ids
+    assert num_free(s) == 1
+
+
 # ---------------------------------------------------------------- preemption
 
 
@@ -299,8 +401,11 @@ def test_fcfs_preempts_last_running_and_resumes_by_recompute(prefix_caching):
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_priority_victim_already_scheduled_returns_its_budget(prefix_caching):
+    # reserve_full_isl off: z (100 tokens, 25 blocks) must be admitted with a first chunk only.
     s = make_scheduler(block_size=4, num_blocks=10, max_num_batched_tokens=16, max_model_len=128,
-                       policy="priority", enable_prefix_caching=prefix_caching)
+                       policy="priority", enable_prefix_caching=prefix_caching,
+                       scheduler_reserve_full_isl=False)
+    unscheduled = spy_unscheduled_victims(s)
     x = make_request("x", 16, priority=1, arrival_time=0.0)
     s.add_request(x)
     assert step(s)[0].num_scheduled_tokens == {"x": 16}  # 4 blocks
@@ -312,6 +417,7 @@ def test_priority_victim_already_scheduled_returns_its_budget(prefix_caching):
     # x (scheduled first) is fine; y needs a block -> the worst request, x, is preempted and the
     # token it was given returns to the budget, so z gets 15 instead of 14.
     out3, _ = step(s)
+    assert unscheduled == ["x"]  # x was unscheduled after being scheduled this step
     assert set(out3.preempted_req_ids) == {"x"}
     assert out3.num_scheduled_tokens == {"y": 1, "z": 15}
     assert out3.total_num_scheduled_tokens == 16
@@ -327,8 +433,11 @@ def test_two_priority_victims_already_scheduled_for_one_request():
     # running is [b, a, c, d]; b and a decode within their blocks, then c's next chunk needs two
     # blocks from an empty pool: a, then b (both scheduled before c) are unscheduled and
     # preempted. c moves from index 2 to 0, and d after it is still scheduled, not skipped.
+    # reserve_full_isl off: c (16 tokens, 4 blocks) must be admitted with 3 blocks free.
     s = make_scheduler(block_size=4, num_blocks=6, max_num_batched_tokens=16, max_model_len=64,
-                       long_prefill_token_threshold=8, policy="priority")
+                       long_prefill_token_threshold=8, policy="priority",
+                       scheduler_reserve_full_isl=False)
+    unscheduled = spy_unscheduled_victims(s)
     s.add_request(make_request("a", 2, priority=2, arrival_time=0.0))
     s.add_request(make_request("b", 2, priority=1, arrival_time=1.0))
     step(s)
@@ -337,6 +446,7 @@ def test_two_priority_victims_already_scheduled_for_one_request():
     assert step(s)[0].num_scheduled_tokens == {"b": 1, "a": 1, "c": 8, "d": 2}
     assert num_free(s) == 0
     out, _ = step(s)
+    assert unscheduled == ["a", "b"]
     assert out.preempted_req_ids == {"a", "b"}
     assert out.num_scheduled_tokens == {"c": 8, "d": 1}
     assert cached_req_ids(out) == ["c", "d"]
@@ -417,7 +527,9 @@ def test_no_admission_in_a_step_that_preempted():
 
 
 def test_late_output_of_preempted_request_is_appended():
-    s = make_scheduler(block_size=4, num_blocks=4, long_prefill_token_threshold=4)
+    # reserve_full_isl off: b (12 tokens, 3 blocks) must be admitted with 2 blocks free.
+    s = make_scheduler(block_size=4, num_blocks=4, long_prefill_token_threshold=4,
+                       scheduler_reserve_full_isl=False)
     s.add_request(make_request("a", 4))
     s.add_request(make_request("b", 12))
     c = make_request("c", 4)
@@ -483,10 +595,12 @@ EOS = 2
     "sp, eos, tokens, expected, status, stop_reason",
     [
         pytest.param({}, EOS, [5, 2, 9], [5, 2], "stopped", None, id="eos-kept"),
-        pytest.param({"min_tokens": 3}, EOS, [2, 2, 2, 9], [2, 2, 2], "stopped", None,
-                     id="min_tokens-suppresses-eos"),
-        pytest.param({"min_tokens": 2, "stop_token_ids": [7]}, EOS, [7, 7, 9], [7, 7],
-                     "stopped", 7, id="min_tokens-suppresses-stop-token"),
+        # min_tokens is the sampler's job (it masks EOS and the stop ids until min_tokens outputs
+        # exist), as in vLLM: an EOS or stop id that does arrive early stops the request here.
+        pytest.param({"min_tokens": 3}, EOS, [2, 2, 2, 9], [2], "stopped", None,
+                     id="eos-within-min_tokens-stops"),
+        pytest.param({"min_tokens": 2, "stop_token_ids": [7]}, EOS, [7, 7, 9], [7],
+                     "stopped", 7, id="stop-token-within-min_tokens-stops"),
         pytest.param({"ignore_eos": True, "max_tokens": 3}, EOS, [2, 2, 2, 2], [2, 2, 2],
                      "length", None, id="ignore_eos"),
         pytest.param({"ignore_eos": True, "stop_token_ids": [2]}, EOS, [5, 2, 9], [5, 2],
@@ -560,7 +674,9 @@ def test_stop_at_max_model_len(tokens, expected, status):
         ({}, [5, 2, 9, 9], [5, 2], FinishReason.STOP, None),
         ({"stop_token_ids": [7]}, [5, 7, 8], [5, 7], FinishReason.STOP, 7),
         ({"max_tokens": 2}, [5, 6, 7], [5, 6], FinishReason.LENGTH, None),
-        ({"min_tokens": 2}, [2, 2, 9], [2, 2], FinishReason.STOP, None),
+        # min_tokens is not checked here (the sampler masks EOS until then): the first EOS stops
+        pytest.param({"min_tokens": 2}, [2, 2, 9], [2], FinishReason.STOP, None,
+                     id="eos-within-min_tokens-stops"),
         ({}, [5, 6, 7], [5, 6, 7], None, None),
     ],
 )
@@ -706,7 +822,9 @@ def test_finish_requests_with_a_repeated_id():
 
 
 def test_late_output_can_finish_a_preempted_request():
-    s = make_scheduler(block_size=4, num_blocks=4, long_prefill_token_threshold=4)
+    # reserve_full_isl off: b (12 tokens, 3 blocks) must be admitted with 2 blocks free.
+    s = make_scheduler(block_size=4, num_blocks=4, long_prefill_token_threshold=4,
+                       scheduler_reserve_full_isl=False)
     s.add_request(make_request("a", 4))
     s.add_request(make_request("b", 12))
     c = make_request("c", 4, eos_token_id=EOS)
@@ -744,8 +862,10 @@ def test_priority_victim_scheduled_this_step_leaves_no_uncomputed_block_cached()
     # step allocates it. In that very step y (better priority, mid-prefill) cannot get its blocks:
     # x is preempted after all, then y itself. x's second block never had its KV computed, so it
     # must not stay in the prefix cache (a later prefix hit would read garbage); the first stays.
+    # reserve_full_isl off: y (40 tokens, 10 blocks) must be admitted into a 6-block pool.
     s = make_scheduler(block_size=4, num_blocks=7, max_num_batched_tokens=16, max_model_len=128,
-                       policy="priority")
+                       policy="priority", scheduler_reserve_full_isl=False)
+    unscheduled = spy_unscheduled_victims(s)
     x = make_request("x", 4, priority=1, arrival_time=0.0, max_tokens=40)
     s.add_request(x)
     for _ in range(3):
@@ -754,6 +874,7 @@ def test_priority_victim_scheduled_this_step_leaves_no_uncomputed_block_cached()
     step(s)
     assert x.num_computed_tokens == 7
     out, _ = step(s)
+    assert unscheduled == ["x"]  # x was scheduled this step, then unscheduled as a victim
     assert out.preempted_req_ids == {"x", "y"} and out.num_scheduled_tokens == {}
     cached = {b.block_hash for b in s.kv_cache_manager.block_pool.blocks if b.block_hash}
     assert x.block_hashes[0] in cached

