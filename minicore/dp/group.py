@@ -1,4 +1,5 @@
-"""The data-parallel process group: torch.distributed over gloo, and every collective of the DP loop.
+"""The data-parallel process group: torch.distributed over gloo, and every collective of the DP
+loop.
 
 Mirrors ParallelConfig.stateless_init_dp_group (vllm/config/parallel.py) and
 DPEngineCoreProc._has_global_unfinished_reqs (vllm/v1/engine/core.py), plus the running-count

@@ -146,7 +146,8 @@ class AsyncMPClient:
         """Each engine's first frame on the input socket lets the ROUTER route to it. It was sent
         before the model load, so it is here by now (a blocking poll, as vLLM's)."""
         for _ in range(self.num_engines):
-            if not self.input_socket.poll(timeout=max(0, int((deadline - time.monotonic()) * 1000))):
+            timeout_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if not self.input_socket.poll(timeout=timeout_ms):
                 raise TimeoutError("an engine core's first input frame did not arrive")
             self.input_socket.recv_multipart()
 

@@ -158,7 +158,8 @@ class SamplingRequest(OpenAIBaseModel):
             name = str(e).split(" ", 1)[0]
             if name == "max_tokens":
                 name = self.max_tokens_field
-            raise OpenAIError(str(e), 400, name if name in type(self).model_fields else None) from None
+            param = name if name in type(self).model_fields else None
+            raise OpenAIError(str(e), 400, param) from None
 
     @property
     def max_tokens_field(self) -> str:

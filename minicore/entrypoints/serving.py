@@ -3,8 +3,9 @@
 Mirrors vllm/entrypoints/openai/serving_engine.py (model check, input validation, error
 responses), serving_completion.py, serving_chat.py and serving_tokenization.py, on top of
 AsyncLLM: its InputProcessor builds (and checks) every engine request, and AsyncLLM.generate runs
-each. Everything a request could be refused for is checked before the first engine request is sent, so a refused request leaves nothing behind, and a streamed one never turns
-into an error after its 200. Each choice (n per prompt, for every prompt of a completion request)
+each. Everything a request could be refused for is checked before the first engine request is
+sent, so a refused request leaves nothing behind, and a streamed one never turns into an error
+after its 200. Each choice (n per prompt, for every prompt of a completion request)
 is its own engine request; their outputs are merged as they arrive. A choice whose engine request
 ends early (client gone, server shutting down) is aborted in the engine and finishes as "abort".
 Left out: logprobs, echo, tools, guided decoding, beam search, multimodal content.
