@@ -519,7 +519,14 @@ def load_vllm(model_dir: str) -> SimpleNamespace:
     init_none_hash(sha256)
     model_config = ModelConfig(model=model_dir, max_model_len=1024, dtype="float32", seed=0,
                                skip_tokenizer_init=True)
-    return SimpleNamespace(**{k: v for k, v in locals().items() if not k.startswith("_")})
+    return SimpleNamespace(
+        version=vllm.__version__, torch=torch, model_config=model_config,
+        CacheConfig=CacheConfig, SchedulerConfig=SchedulerConfig, VllmConfig=VllmConfig,
+        FullAttentionSpec=FullAttentionSpec, KVCacheConfig=KVCacheConfig,
+        KVCacheGroupSpec=KVCacheGroupSpec, Scheduler=Scheduler,
+        StructuredOutputManager=StructuredOutputManager, SamplingParams=SamplingParams,
+        Request=Request, RequestStatus=RequestStatus, ModelRunnerOutput=ModelRunnerOutput,
+        sha256=sha256, get_request_block_hasher=get_request_block_hasher)
 
 
 def build_vllm_scheduler(cfg: dict, v: SimpleNamespace):
@@ -1278,25 +1285,27 @@ def parse_args(argv: list[str]):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--setup", action="store_true", help="install vLLM's CPU build into --venv")
-    p.add_argument("--venv", default=os.environ.get("MINICORE_VLLM_VENV", str(DEFAULT_VENV)))
+    p.add_argument("--venv", default=os.environ.get("MINICORE_VLLM_VENV", str(DEFAULT_VENV)),
+                   help="vLLM's virtualenv (default: $MINICORE_VLLM_VENV or %(default)s)")
     p.add_argument("--minicore-root", default=str(REPO_ROOT),
                    help="import minicore from this checkout (default: this one)")
     p.add_argument("--model-dir", default=str(DEFAULT_MODEL_COPY),
                    help="local model directory for vLLM's ModelConfig (config.json)")
-    p.add_argument("--traces", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--traces", type=int, default=200, help="random traces to run (default 200)")
+    p.add_argument("--seed", type=int, default=0, help="trace i is generated from (seed, i)")
     p.add_argument("--quick", action="store_true",
                    help="100 traces (unless --traces), max_model_len <= 256, short shrinking")
     p.add_argument("--allow", default="", help="classes to emulate in vLLM from the start, "
                    f"comma-separated: {', '.join(CLASSES)}")
-    p.add_argument("--no-shrink", action="store_true")
+    p.add_argument("--no-shrink", action="store_true", help="skip shrinking the repros")
     p.add_argument("--by-class", nargs="?", const=",".join(CLASSES), default="",
                    metavar="CLASSES",
                    help="minicore's deviations (default: all classes); also count, for each, the "
                         "traces that diverge when vLLM emulates all the others (a few more passes)")
     p.add_argument("--shrink-seconds", type=float, default=None,
                    help="time to shrink each class's example (default 60, quick 15)")
-    p.add_argument("--replay", help="run one trace from a repro_*.json file")
+    p.add_argument("--replay", help="run one trace (a *_repro_<class>.json file) and print its "
+                   "repro snippet")
     p.add_argument("--json", help="where to write the results (default benchmarks/results/"
                    "vllm_differential.json)")
     p.add_argument("--progress", type=int, default=100, help="report every N traces (0: never)")
@@ -1323,11 +1332,10 @@ def main(argv: list[str]) -> int:
     sys.path.insert(0, str(Path(args.minicore_root).resolve()))
     started = time.monotonic()
     v = load_vllm(args.model_dir)
-    if v.vllm.__version__ != VLLM_VERSION:
-        print(f"warning: vLLM {v.vllm.__version__}, the tool was written against {VLLM_VERSION}",
+    if v.version != VLLM_VERSION:
+        print(f"warning: vLLM {v.version}, the tool was written against {VLLM_VERSION}",
               file=sys.stderr)
-    print(f"vLLM {v.vllm.__version__} loaded in {time.monotonic() - started:.0f} s",
-          file=sys.stderr)
+    print(f"vLLM {v.version} loaded in {time.monotonic() - started:.0f} s", file=sys.stderr)
     if args.replay:
         return replay(Path(args.replay), frozenset(args.allow), v)
     return run_all(args, v)
