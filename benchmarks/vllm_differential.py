@@ -1106,9 +1106,9 @@ def run_all(args, v) -> int:
             classes = classify(trace, emulate, div, v)
             summary.diverging.append(dict(seed=trace.seed, index=index, classes=classes,
                                           **asdict(div)))
-            for cls in classes:
-                if cls not in examples or trace.size() < examples[cls].size():
-                    examples[cls] = trace
+            cls = classes[0]  # a repro for the class that best explains it, not for every one
+            if cls not in examples or trace.size() < examples[cls].size():
+                examples[cls] = trace
         if args.progress and (index + 1) % args.progress == 0:
             print(f"  {index + 1}/{args.traces} traces, {len(summary.diverging)} diverging, "
                   f"{time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
