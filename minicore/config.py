@@ -22,7 +22,7 @@ from types import NoneType, UnionType
 from typing import Any, Literal, get_args, get_origin
 
 SchedulingPolicy = Literal["fcfs", "priority"]
-BalanceThreshold = Literal["seed", "full"]
+BalanceThreshold = Literal["full", "one-short"]
 ModelRunnerKind = Literal["transformers", "simulated"]
 
 
@@ -54,12 +54,13 @@ class SchedulerConfig:
                 "order", flag="--scheduling-policy")
     # BalanceScheduler instead of Scheduler. Listed with the data-parallel flags: it balances ranks.
     balance_scheduling: bool = _flag(
-        False, "hold back admission on every rank while one is nearly full (vllm-ascend's "
-               "balance scheduling)", group="data parallel")
+        False, "hold back admission on every rank while one is full, or nearly: see "
+               "--balance-threshold (vllm-ascend's balance scheduling)", group="data parallel")
     balance_threshold: BalanceThreshold = _flag(
-        "seed", "full: gate while a rank is full, max_num_seqs running (vllm-ascend PR #5212, "
-                "the published result); seed: at max_num_seqs - 1 (vllm-ascend PR #7611, "
-                "reverted in #8675)", group="data parallel")
+        "full", "full: gate while some rank is full, max_num_seqs running (vllm-ascend PR #5212, "
+                "the variant behind its published result); one-short: while some rank has "
+                "max_num_seqs - 1 or more (vllm-ascend PR #7611, reverted in #8675 after a "
+                "first-token latency regression)", group="data parallel")
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -70,8 +71,9 @@ class SchedulerConfig:
                              f"{self.long_prefill_token_threshold}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
-        if self.balance_threshold not in ("seed", "full"):
-            raise ValueError(f"balance_threshold must be 'seed' or 'full', got {self.balance_threshold!r}")
+        if self.balance_threshold not in ("full", "one-short"):
+            raise ValueError("balance_threshold must be 'full' or 'one-short', got "
+                             f"{self.balance_threshold!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "

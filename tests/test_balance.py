@@ -1,6 +1,6 @@
 """BalanceScheduler: the admission gate driven by balance_counts (set by hand here; the DP group
-assigns them in a server), for both thresholds ("seed": max >= max_num_seqs - 1; "full": max >=
-max_num_seqs), the limit's floor of 1 with one slot per rank, running requests still scheduled
+assigns them in a server), for both thresholds ("full": max >= max_num_seqs; "one-short": max >=
+max_num_seqs - 1), the limit's floor of 1 with one slot per rank, running requests still scheduled
 while the gate is shut, and one count per DP rank. The gather itself is tested in
 tests/dp/test_group.py."""
 
@@ -16,8 +16,8 @@ def _balance(threshold=None, dp_size=2, max_num_seqs=4):
     return make_scheduler(cls=BalanceScheduler, dp_size=dp_size, max_num_seqs=max_num_seqs, **kw)
 
 
-def test_default_threshold_is_seed():
-    assert SchedulerConfig().balance_threshold == "seed"
+def test_default_threshold_is_full():
+    assert SchedulerConfig().balance_threshold == "full"
 
 
 @pytest.mark.parametrize("dp_size", [1, 2, 3])
@@ -29,17 +29,17 @@ def test_one_count_per_rank(dp_size):
 @pytest.mark.parametrize(
     "threshold, counts, admitted",
     [
-        ("seed", [0, 0], True),
-        ("seed", [2, 1], True),
-        ("seed", [3, 0], False),  # 3 >= max_num_seqs - 1
-        ("seed", [0, 3], False),
-        ("seed", [1, 4], False),
+        ("one-short", [0, 0], True),
+        ("one-short", [2, 1], True),
+        ("one-short", [3, 0], False),  # 3 >= max_num_seqs - 1
+        ("one-short", [0, 3], False),
+        ("one-short", [1, 4], False),
         ("full", [3, 0], True),
         ("full", [3, 3], True),
         ("full", [0, 4], False),  # 4 >= max_num_seqs
         ("full", [5, 0], False),
-        (None, [3, 0], False),  # default = seed
-        (None, [2, 2], True),
+        (None, [3, 0], True),  # default = full
+        (None, [0, 4], False),
     ],
 )
 def test_gate(threshold, counts, admitted):
@@ -59,10 +59,11 @@ def test_gate(threshold, counts, admitted):
     assert s.get_request_counts() == (1, 0)
 
 
-@pytest.mark.parametrize("threshold", ["seed", "full"])
+@pytest.mark.parametrize("threshold", ["one-short", "full"])
 @pytest.mark.parametrize("counts, admitted", [([0, 0], True), ([1, 0], False), ([0, 1], False)])
 def test_gate_with_one_slot_per_rank(threshold, counts, admitted):
-    # "seed" means max_num_seqs - 1, a limit of 0 here: a gate shut for good without the floor of 1
+    # "one-short" means max_num_seqs - 1, a limit of 0 here: a gate shut for good without the
+    # floor of 1
     s = _balance(threshold, max_num_seqs=1)
     s.balance_counts[:] = counts
     s.add_request(make_request("a", 4))
@@ -72,14 +73,14 @@ def test_gate_with_one_slot_per_rank(threshold, counts, admitted):
 
 def test_gate_is_checked_before_any_admission_not_per_request():
     # counts below the threshold: the local running count does not close the gate mid-step
-    s = _balance("seed", max_num_seqs=4)
+    s = _balance("one-short", max_num_seqs=4)
     for rid in "abcd":
         s.add_request(make_request(rid, 2))
     out, _ = step(s)
     assert out.num_scheduled_tokens == {"a": 2, "b": 2, "c": 2, "d": 2}
 
 
-@pytest.mark.parametrize("threshold, counts", [("seed", [3, 0]), ("full", [0, 4])])
+@pytest.mark.parametrize("threshold, counts", [("one-short", [3, 0]), ("full", [0, 4])])
 def test_running_requests_still_scheduled_while_gated(threshold, counts):
     s = _balance(threshold)
     s.add_request(make_request("a", 4, max_tokens=5))

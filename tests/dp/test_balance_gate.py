@@ -1,6 +1,6 @@
 """Balance scheduling's gate, live: DP=2 engine processes on the SIMULATED runner, max_num_seqs=4.
 
-While any rank runs at the threshold ("seed": max_num_seqs - 1 = 3, "full": 4), no rank admits a
+While any rank runs at the threshold ("full": max_num_seqs = 4, "one-short": 3), no rank admits a
 waiting request, not even an idle one; without balance scheduling every rank admits at once. Rank 0
 is filled with long requests (100 steps of 10 ms: a second or more), then short ones are sent; the
 tests assert on ordering, not durations: a gated short request gets its first token only after a
@@ -27,7 +27,7 @@ STEP_S = 0.01
 SCENARIO_TIMEOUT_S = 60
 
 
-def gate_config(balance: bool, threshold: str = "seed"):
+def gate_config(balance: bool, threshold: str = "full"):
     return simulated_dp_config(2, step_s=STEP_S, max_num_seqs=4, balance_scheduling=balance,
                                balance_threshold=threshold)
 
@@ -109,11 +109,11 @@ def assert_admitted_at_once(times: EngineTimes, longs: list[str], shorts: list[s
             "request: it was held back")
 
 
-async def test_seed_threshold_holds_back_every_rank():
+async def test_one_short_threshold_holds_back_every_rank():
     """3 running on rank 0 (= max_num_seqs - 1): neither rank 1 (idle) nor rank 0 (a free slot)
     admits until a long request finishes."""
-    async with dp_client(gate_config(balance=True, threshold="seed")) as client:
-        assert_gated(*await fill_then_send(client, 3, [1, 0], "seed"))
+    async with dp_client(gate_config(balance=True, threshold="one-short")) as client:
+        assert_gated(*await fill_then_send(client, 3, [1, 0], "one-short"))
 
 
 async def test_without_balance_every_rank_admits_at_once():
