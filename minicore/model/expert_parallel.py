@@ -28,8 +28,8 @@ the same collectives in the same order on every rank: one count gather, then per
 all-gather and one reduce-scatter.
 
 Left out: the all-to-all schemes (pplx, DeepEP, ...), round-robin placement, EPLB (expert load
-balancing and redundant experts), load-time sharding (the whole model is loaded, then sliced), and
-quantized experts.
+balancing and redundant experts), load-time sharding (the whole model is loaded, then sliced),
+quantized experts, and training (the collectives are not differentiable).
 """
 
 from __future__ import annotations
@@ -83,15 +83,15 @@ def check_expert_parallel(config, ep_size: int) -> int:
             f"{supported})")
     if num_experts < ep_size:
         raise ExpertParallelError(
-            f"{num_experts} experts per layer cannot be spread over {ep_size} expert-parallel "
-            f"ranks: every rank needs at least one (use at most {num_experts} ranks)")
+            f"expert parallelism over {ep_size} ranks needs at least {ep_size} experts per layer "
+            f"(one per rank); this {model_type} model has {num_experts}")
     return num_experts
 
 
 def determine_expert_map(ep_size: int, ep_rank: int,
                          global_num_experts: int) -> tuple[int, torch.Tensor]:
-    """vLLM's linear placement: ``(local_num_experts, expert_map)``, where expert_map[e] is the local
-    id of global expert e on this rank, or -1 where another rank holds it."""
+    """vLLM's linear placement: ``(local_num_experts, expert_map)``, where expert_map[e] is the
+    local id of global expert e on this rank, or -1 where another rank holds it."""
     base, remainder = divmod(global_num_experts, ep_size)
     local_num_experts = base + 1 if ep_rank < remainder else base
     start = ep_rank * base + min(ep_rank, remainder)
@@ -130,9 +130,9 @@ def shard_experts(model: nn.Module, group: ProcessGroup) -> ExpertParallelInfo:
 
 
 class ExpertParallelExperts(nn.Module):
-    """One MoE layer's experts across the group, vLLM's naive scheme (all-gather every rank's tokens,
-    apply the local experts, reduce-scatter the partial sums). ``experts`` is transformers' own
-    experts module of the layer, already sliced to this rank's experts."""
+    """One MoE layer's experts across the group, vLLM's naive scheme (all-gather every rank's
+    tokens, apply the local experts, reduce-scatter the partial sums). ``experts`` is transformers'
+    own experts module of the layer, already sliced to this rank's experts."""
 
     def __init__(self, experts: nn.Module, expert_map: torch.Tensor, group: ProcessGroup,
                  counts: _ForwardTokenCounts):

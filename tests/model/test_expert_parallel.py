@@ -92,7 +92,8 @@ def test_each_rank_keeps_only_its_experts(reports, family):
 
 @pytest.mark.parametrize("case, message", [
     ("dense", "dense model (llama): --enable-expert-parallel needs a mixture-of-experts model"),
-    ("one_expert", "1 experts per layer cannot be spread over 2 expert-parallel ranks"),
+    ("one_expert", "over 2 ranks needs at least 2 experts per layer (one per rank); this "
+                   "qwen3_moe model has 1"),
     ("no_moe_layer", "dense model (qwen2_moe): no layer of it has experts"),
 ])
 def test_unservable_models_are_refused_on_the_group(reports, case, message):
@@ -107,7 +108,7 @@ def test_refusals_from_the_config_alone():
         check_expert_parallel(AutoConfig.for_model("llama"), 2)
     with pytest.raises(ExpertParallelError, match="does not support 'deepseek_v3'.*mixtral"):
         check_expert_parallel(AutoConfig.for_model("deepseek_v3", n_routed_experts=8), 2)
-    with pytest.raises(ExpertParallelError, match="4 experts per layer cannot .* 8 expert"):
+    with pytest.raises(ExpertParallelError, match="over 8 ranks needs at least 8 .* has 4"):
         check_expert_parallel(tiny_moe_config("olmoe"), 8)
     assert check_expert_parallel(tiny_moe_config("mixtral"), 5) == 5
 
