@@ -9,8 +9,10 @@ output length unless --output-range-ratio spreads it. The default client is a cl
 concurrency is the engines' total slots, like the PR's `bench serve --max-concurrency` (why:
 docs/BALANCE_STUDY.md); --client burst sends everything at once. TTFT and TPOT come from the
 RequestOutputs the frontend streams: first output - send, and (last output - first output) /
-(output tokens - 1). Before the variants, the balance gather alone is timed between dp processes:
-the balance variants pay it on every step, and on a small machine it is not negligible.
+(output tokens - 1). Before the variants, the two ways of sharing the running counts (the
+all-gather and the all-reduce MAX of benchmarks/dp_collective_cost.py) are timed between dp
+processes: the balance variants pay one on every step, and on a small machine it is not
+negligible. The balance variants use the cheaper one unless --count-sync says which.
 
   simulated (default): DP=4 on the SIMULATED runner (no weights; lockstep: every step takes the
       slowest rank's time), variants baseline / balance "full" (gate while a rank runs
@@ -21,6 +23,9 @@ the balance variants pay it on every step, and on a small machine it is not negl
     python benchmarks/balance_study.py --quick    # simulated, smaller (~1.5 min)
     python benchmarks/balance_study.py --output-range-ratio 0.25   # desynchronised ranks
     python benchmarks/balance_study.py --real     # real model, DP=2
+
+The tables are printed by benchmarks/balance_report.py; the collectives are timed by
+benchmarks/dp_collective_cost.py.
 """
 
 import argparse
@@ -28,11 +33,9 @@ import asyncio
 import contextlib
 import json
 import logging
-import multiprocessing
 import os
 import platform
 import random
-import socket
 import statistics
 import sys
 import time
@@ -41,19 +44,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from balance_report import (PUBLISHED_RESULT, print_header, print_results, step_counts,
+                            summarize)
+from dp_collective_cost import COLLECTIVES, collective_cost_ms, format_cost, free_port_pair
+
 from minicore.config import SimulatedCost, create_engine_config
 from minicore.engine.async_llm import AsyncLLM
 from minicore.sampling_params import SamplingParams
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-PUBLISHED_RESULT = {  # vllm-ascend PR #5212, "Experiment Results" (the "full" gate)
-    "baseline": {"ttft_ms": 6600, "tpot_ms": 86.85, "duration_s": 591.9, "input_tok_s": 3030.5,
-                 "output_tok_s": 1297.3, "req_s": 0.86},
-    "balance": {"ttft_ms": 7012, "tpot_ms": 70.63, "duration_s": 501.7, "input_tok_s": 3575.7,
-                "output_tok_s": 1530.7, "req_s": 1.02},
-}
-COLUMNS = [("ttft_ms", "TTFT ms"), ("tpot_ms", "TPOT ms"), ("duration_s", "e2e s"),
-           ("input_tok_s", "in tok/s"), ("output_tok_s", "out tok/s"), ("req_s", "req/s")]
 # The variants' names are their --balance-threshold values, and the keys of the JSON's results.
 VARIANTS = [("baseline", {}),
             ("full", {"balance_scheduling": True, "balance_threshold": "full"}),
@@ -70,23 +69,6 @@ class Record:
     last: float | None = None
     num_output: int = 0
     engine: int = -1
-
-
-def free_port_pair() -> int:
-    """A port P with P + 1 free too: the DP group rendezvous on P, the engine handshake on P + 1."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + 1 >= 65535:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port pair found")
 
 
 def make_workload(n: int, input_len: int, output_len: int, vocab: int,
@@ -171,46 +153,6 @@ class LoadSampler:
                     max(s) >= max_num_seqs for s in self.samples)}
 
 
-def count_clusters(times: list[float], gap: float) -> int:
-    """Groups of times closer than gap to their neighbour: the outputs of one lockstep step
-    arrive within a few ms of each other, consecutive steps a step time apart."""
-    times = sorted(times)
-    return sum(1 for a, b in zip([float("-inf")] + times, times) if b - a > gap)
-
-
-def summarize(records: dict[str, Record], input_len: int, start: float, end: float) -> dict:
-    done = [r for r in records.values() if r.num_output > 0]
-    duration = end - start
-    total_in = input_len * len(done)
-    total_out = sum(r.num_output for r in done)
-    ttfts = [(r.first - r.send) * 1000 for r in done]
-    tpots = [(r.last - r.first) * 1000 / (r.num_output - 1) for r in done if r.num_output > 1]
-    return {
-        "completed": len(done), "failed": len(records) - len(done),
-        "ttft_ms": statistics.mean(ttfts), "ttft_median_ms": statistics.median(ttfts),
-        "ttft_p99_ms": sorted(ttfts)[int(0.99 * (len(ttfts) - 1))],
-        "tpot_ms": statistics.mean(tpots), "tpot_median_ms": statistics.median(tpots),
-        "duration_s": duration, "input_tok_s": total_in / duration,
-        "output_tok_s": total_out / duration, "req_s": len(done) / duration,
-        "requests_per_engine": [sum(r.engine == e for r in done)
-                                for e in range(max(r.engine for r in done) + 1)],
-    }
-
-
-def step_counts(records: dict[str, Record], token_times: list[float],
-                decode_step_s: float) -> dict:
-    """Lockstep only: engine 0's steps that produced tokens (its output frames) and its tokens
-    per such step (how full it ran), and the steps in which some rank finished a prefill (first
-    tokens, clustered over all ranks)."""
-    steps = count_clusters(token_times, 0.25 * decode_step_s)
-    prefill_steps = count_clusters([r.first for r in records.values() if r.first is not None],
-                                   0.5 * decode_step_s)
-    span = (max(token_times) - min(token_times)) if token_times else 0.0
-    engine0_tokens = sum(r.num_output for r in records.values() if r.engine == 0)
-    return {"steps": steps, "tokens_per_step": engine0_tokens / max(1, steps),
-            "prefill_steps": prefill_steps, "mean_step_ms": 1000 * span / max(1, steps - 1)}
-
-
 async def run_variant(name: str, engine_args: dict, work, args, max_num_seqs: int,
                       decode_step_s: float | None) -> dict:
     port = free_port_pair()
@@ -252,69 +194,6 @@ async def run_variant(name: str, engine_args: dict, work, args, max_num_seqs: in
         return {"variant": name, **result}
     finally:
         await client.shutdown()
-
-
-def print_table(title: str, results: list[dict], extra: list[tuple[str, str, str]]) -> None:
-    base = results[0]
-    print(f"\n{title}")
-    hdr = f"{'variant':<14}" + "".join(f"{label:>11}" for _, label in COLUMNS)
-    print(hdr)
-    print("-" * len(hdr))
-    for r in results:
-        print(f"{r['variant']:<14}" + "".join(f"{r[k]:>11.2f}" for k, _ in COLUMNS))
-    for r in results[1:]:
-        print(f"{r['variant'] + ' / base':<14}" +
-              "".join(f"{r[k] / base[k]:>11.3f}" for k, _ in COLUMNS))
-    published = {k: PUBLISHED_RESULT["balance"][k] / PUBLISHED_RESULT["baseline"][k]
-                 for k, _ in COLUMNS}
-    print(f"{'PR #5212':<14}" + "".join(f"{published[k]:>11.3f}" for k, _ in COLUMNS))
-    extra = [c for c in extra if any(c[0] in r for r in results)]
-    if extra:
-        print()
-        hdr = f"{'variant':<14}" + "".join(f"{label:>{len(label) + 2}}" for _, label, _ in extra)
-        print(hdr)
-        for r in results:
-            print(f"{r['variant']:<14}" + "".join(
-                f"{format(r.get(k, float('nan')), fmt):>{len(label) + 2}}"
-                for k, label, fmt in extra))
-
-
-def _gather_probe_rank(rank: int, size: int, port: int, calls: int, results) -> None:
-    from minicore.dp.group import DPGroup
-
-    group = DPGroup(rank, size, "127.0.0.1", port, timeout_s=60)
-
-    async def timed():
-        times = []
-        for _ in range(calls):
-            t = time.perf_counter()
-            await group.gather_running_counts(rank)
-            times.append(time.perf_counter() - t)
-        return times
-
-    times = asyncio.run(timed())
-    results.put((rank, statistics.median(times) * 1000, statistics.mean(times) * 1000))
-    group.destroy()
-
-
-def gather_cost_ms(size: int, calls: int = 200) -> dict:
-    """The balance gather's own cost on this machine: back-to-back DPGroup.gather_running_counts
-    calls between `size` processes (what balance scheduling adds to every step; in the engines
-    it cannot overlap the simulated step's sleep)."""
-    ctx = multiprocessing.get_context("spawn")
-    results, port = ctx.Queue(), free_port_pair()
-    procs = [ctx.Process(target=_gather_probe_rank, args=(r, size, port, calls, results),
-                         daemon=True) for r in range(size)]
-    for proc in procs:
-        proc.start()
-    try:
-        per_rank = [results.get(timeout=120) for _ in procs]
-    finally:
-        for proc in procs:
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-    return {"median_ms": max(r[1] for r in per_rank), "mean_ms": max(r[2] for r in per_rank)}
 
 
 def common_engine_args(args) -> dict:
@@ -362,6 +241,9 @@ def parse_args():
                     help="simulated: cost per decoding request in a step")
     ap.add_argument("--prefill-token-us", type=float, default=180.0,
                     help="simulated: cost per prefill token")
+    ap.add_argument("--count-sync", choices=["cheaper", *COLLECTIVES], default="cheaper",
+                    help="the balance variants' --balance-count-sync (default: whichever the "
+                         "timing before the variants finds cheaper)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--dump-records", action="store_true",
                     help="keep every request's times in the JSON")
@@ -384,31 +266,25 @@ def parse_args():
     return args
 
 
-async def main_async(args) -> None:
-    variants, engine_args, decode_step_s = (real_setup if args.real else simulated_setup)(args)
-    if args.variants:
-        variants = [v for v in variants if v[0] in args.variants]
-    # Vocabulary of SmolLM2, which both runners read.
-    work = make_workload(args.num_prompts, args.input_len, args.output_len, 49152,
-                         args.output_range_ratio)
-    kind = "REAL SmolLM2-135M on CPU" if args.real else "SIMULATED runner (lockstep)"
-    print(f"balance study: DP={args.dp}, {kind}; {args.num_prompts} requests of "
-          f"{args.input_len} in / {args.output_len} out; max_num_seqs {args.max_num_seqs}/rank, "
-          f"max_num_batched_tokens {args.max_num_batched_tokens}; client {args.client}"
-          + (f" (concurrency {args.concurrency})" if args.client == "closed" else ""))
-    if not args.real:
-        print(f"cost: step {args.step_ms} ms + {args.decode_seq_ms} ms/decoding seq + "
-              f"{args.prefill_token_us} us/prefill token -> decode step of {args.max_num_seqs} = "
-              f"{decode_step_s * 1000:.1f} ms, one {args.input_len}-token prefill = "
-              f"{args.input_len * args.prefill_token_us / 1000:.1f} ms", flush=True)
+async def choose_count_sync(args) -> tuple[str, dict]:
+    """Time both ways of sharing the running counts between args.dp processes (the balance
+    variants pay one on every step) and pick the one for the balance variants: args.count_sync,
+    or the one with the lower median."""
+    cost = await asyncio.wait_for(asyncio.to_thread(collective_cost_ms, args.dp), 180)
+    print("balance count sync alone, " + format_cost(args.dp, cost), flush=True)
+    if args.count_sync != "cheaper":
+        return args.count_sync, cost
+    chosen = min(COLLECTIVES, key=lambda name: cost[name]["median_ms"])
+    print(f"the balance variants run with --balance-count-sync {chosen} (the cheaper here)")
+    return chosen, cost
+
+
+async def run_variants(args, variants, engine_args: dict, work, count_sync: str,
+                       decode_step_s: float | None) -> list[dict]:
     results = []
-    t0 = time.monotonic()
-    # What the balance variants pay per step on this machine, whatever their scheduling gains.
-    gather = await asyncio.wait_for(asyncio.to_thread(gather_cost_ms, args.dp), 180)
-    print(f"balance gather alone, {args.dp} processes: median {gather['median_ms']:.2f} ms, "
-          f"mean {gather['mean_ms']:.2f} ms per call (load average {os.getloadavg()[0]:.1f})",
-          flush=True)
     for name, extra in variants:
+        if extra.get("balance_scheduling"):
+            extra = {**extra, "balance_count_sync": count_sync}
         t = time.monotonic()
         r = await asyncio.wait_for(
             run_variant(name, {**engine_args, **extra}, work, args, args.max_num_seqs,
@@ -416,35 +292,32 @@ async def main_async(args) -> None:
         r["wall_s"] = time.monotonic() - t
         results.append(r)
         print(f"  {name}: {r['completed']} done in {r['duration_s']:.1f} s "
-              f"(start-up {r['startup_s']:.1f} s, variant wall {r['wall_s']:.1f} s)", flush=True)
+              f"(start-up {r['startup_s']:.1f} s, variant wall {r['wall_s']:.1f} s; load average "
+              f"{os.getloadavg()[0]:.2f})", flush=True)
+    return results
+
+
+async def main_async(args) -> None:
+    variants, engine_args, decode_step_s = (real_setup if args.real else simulated_setup)(args)
+    if args.variants:
+        variants = [v for v in variants if v[0] in args.variants]
+    # Vocabulary of SmolLM2, which both runners read.
+    work = make_workload(args.num_prompts, args.input_len, args.output_len, 49152,
+                         args.output_range_ratio)
+    kind = print_header(args, decode_step_s)
+    t0 = time.monotonic()
+    count_sync, sync_cost = await choose_count_sync(args)
+    results = await run_variants(args, variants, engine_args, work, count_sync, decode_step_s)
     total_s = time.monotonic() - t0
-    extra = [("ttft_median_ms", "TTFT p50", ".0f"), ("ttft_p99_ms", "TTFT p99", ".0f"),
-             ("tpot_median_ms", "TPOT p50", ".2f"),
-             ("mean_running_per_rank", "running/rank", ".2f"),
-             ("frac_some_rank_ge_seq_minus_1", "t(max>=S-1)", ".2f"),
-             ("frac_some_rank_full", "t(max>=S)", ".2f"),
-             ("steps", "steps", ".0f"), ("tokens_per_step", "tok/step", ".1f"),
-             ("mean_step_ms", "step ms", ".1f"),
-             ("prefill_steps", "prefill steps", ".0f"), ("preemptions", "preempt", ".0f")]
-    print_table(f"{kind}, DP={args.dp} (times in ms, durations in s; ratios to baseline; the "
-                "published balance/baseline ratios for comparison)", results, extra)
-    print("running/rank: time-averaged running requests per rank (frontend's view); "
-          "t(max>=S-1), t(max>=S): share of\ntime some rank had >= max_num_seqs - 1 (one-short "
-          "gate closed) / max_num_seqs (full gate closed) running")
-    if decode_step_s is not None:
-        print("steps, tok/step, step ms: engine 0's token-producing steps, its tokens per step, "
-              "its mean step interval;\nprefill steps: steps in which some rank finished a "
-              "prefill (first tokens clustered over all ranks)")
-    print(f"\ntotal wall time {total_s:.0f} s; requests per engine: "
-          + "; ".join(f"{r['variant']} {r['requests_per_engine']}" for r in results))
+    print_results(kind, args, results, count_sync, decode_step_s is not None, total_s)
     payload = {
         "benchmark": "balance_study", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "python": platform.python_version(), "platform": platform.platform(),
         "cpu_count": os.cpu_count(), "loadavg_end": os.getloadavg(),
         "args": vars(args), "engine_args": {k: (asdict(v) if k == "simulated_cost" else v)
                                             for k, v in engine_args.items()},
-        "gather_cost": gather, "results": {r["variant"]: r for r in results},
-        "published_result": PUBLISHED_RESULT,
+        "count_sync_cost": sync_cost, "balance_count_sync": count_sync,
+        "results": {r["variant"]: r for r in results}, "published_result": PUBLISHED_RESULT,
         "total_wall_s": total_s,
     }
     out = Path(args.json)

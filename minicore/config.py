@@ -23,6 +23,7 @@ from typing import Any, Literal, get_args, get_origin
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 BalanceThreshold = Literal["full", "one-short"]
+BalanceCountSync = Literal["all-gather", "all-reduce-max"]
 ModelRunnerKind = Literal["transformers", "simulated"]
 
 
@@ -61,6 +62,14 @@ class SchedulerConfig:
                 "the variant behind its published result); one-short: while some rank has "
                 "max_num_seqs - 1 or more (vllm-ascend PR #7611, reverted in #8675 after a "
                 "first-token latency regression)", group="data parallel")
+    # The gate reads only the maximum running count, so one integer all-reduced (MAX) gives the
+    # decisions the gathered list does, for less: between 4 processes on 2 cores, gloo's
+    # all-gather cost about 3x as much (docs/BALANCE_STUDY.md). The all-gather stays the default
+    # because it is vllm-ascend's.
+    balance_count_sync: BalanceCountSync = _flag(
+        "all-gather", "how the balance gate learns the ranks' running counts: all-gather: every "
+                      "rank's count, as vllm-ascend does; all-reduce-max: only the largest, the "
+                      "same decisions for one integer", group="data parallel")
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -74,6 +83,9 @@ class SchedulerConfig:
         if self.balance_threshold not in ("full", "one-short"):
             raise ValueError("balance_threshold must be 'full' or 'one-short', got "
                              f"{self.balance_threshold!r}")
+        if self.balance_count_sync not in ("all-gather", "all-reduce-max"):
+            raise ValueError("balance_count_sync must be 'all-gather' or 'all-reduce-max', got "
+                             f"{self.balance_count_sync!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "

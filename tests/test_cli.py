@@ -60,13 +60,15 @@ def test_serve_flags_round_trip():
     config = engine_config([
         "serve", "--max-num-seqs", "7", "--no-enable-prefix-caching", "--scheduling-policy",
         "priority", "-dp", "2", "--balance-scheduling", "--balance-threshold", "one-short",
+        "--balance-count-sync", "all-reduce-max",
         "--simulated-cost", '{"step_s": 0.01}', "--runner", "simulated", "--seed", "3",
         "--kv-cache-memory", "4096", "--gpu-memory-utilization", "0.5", "-dpl", "1", "-dpr", "1",
         "-dpa", "10.0.0.2", "-dpp", "30000"])
     sched, cache, model, par = (config.scheduler_config, config.cache_config,
                                 config.model_config, config.parallel_config)
     assert (sched.max_num_seqs, sched.policy) == (7, "priority")
-    assert (sched.balance_scheduling, sched.balance_threshold) == (True, "one-short")
+    assert (sched.balance_scheduling, sched.balance_threshold, sched.balance_count_sync) \
+        == (True, "one-short", "all-reduce-max")
     assert (cache.enable_prefix_caching, cache.kv_cache_memory, cache.gpu_memory_utilization) \
         == (False, 4096, 0.5)
     assert (model.runner, model.seed, model.simulated_cost) == ("simulated", 3, SimulatedCost(0.01))
@@ -90,6 +92,7 @@ def test_generate_flags_round_trip():
     (["serve", "--scheduling-policy", "lifo"], "invalid choice: 'lifo'"),
     (["serve", "--balance-threshold", "half"], "invalid choice: 'half'"),
     (["serve", "--balance-threshold", "seed"], "invalid choice: 'seed'"),  # the old name
+    (["serve", "--balance-count-sync", "all-reduce-sum"], "invalid choice: 'all-reduce-sum'"),
     (["serve", "--max-num-seqs", "x"], "invalid int value: 'x'"),
     (["serve", "--simulated-cost", '{"bogus": 1}'],
      "--simulated-cost: expected a JSON object with keys among step_s, prefill_token_s"),

@@ -11,9 +11,9 @@ forward runs). One iteration of a running wave issues, in this order:
   1. the forward or, with nothing scheduled, a dummy batch; with the simulated runner either one is
      followed by max_step_time (its stand-in for an MoE model's all-to-alls);
   2. every 32nd step of the wave: has_global_unfinished_reqs;
-  3. with balance scheduling: gather_running_counts, on every iteration, dummy ones included (a
-     gather inside schedule(), or before the idle check, deadlocks: a drained rank never
-     schedules).
+  3. with balance scheduling: gather_running_counts (or max_running_count, with
+     --balance-count-sync all-reduce-max), on every iteration, dummy ones included (a gather
+     inside schedule(), or before the idle check, deadlocks: a drained rank never schedules).
 The dummy batch is why a rank with no work still runs iterations while the wave runs: it keeps the
 rank issuing 1-3 with its peers. For the dense transformers runner the dummy forward itself
 exchanges nothing (the replicas meet only at 2 and 3); for the simulated runner it also keeps the
@@ -57,6 +57,7 @@ class DPEngineCoreProc(EngineCoreProc):
         self.engines_running = False
         self.dp_rank = engine_index
         self.balance = config.scheduler_config.balance_scheduling
+        self.count_sync = config.scheduler_config.balance_count_sync
         self.simulated = config.model_config.runner == "simulated"
         self.dp_group: DPGroup | None = None
         self._monitor: zmq.Socket | None = None
@@ -69,6 +70,7 @@ class DPEngineCoreProc(EngineCoreProc):
         self.dp_group.check_same_config({
             "--balance-scheduling": int(self.balance),
             "--runner simulated": int(self.simulated),
+            "--balance-count-sync all-reduce-max": int(self.count_sync == "all-reduce-max"),
         })
 
     def close(self, fatal: bool) -> None:
@@ -123,8 +125,7 @@ class DPEngineCoreProc(EngineCoreProc):
                 await self._run_forward(self.model_runner.execute_dummy_batch)
             self.engines_running = await self._has_global_unfinished_reqs(local_unfinished_reqs)
             if self.balance:
-                self.scheduler.balance_counts = await self.dp_group.gather_running_counts(
-                    len(self.scheduler.running))
+                self.scheduler.balance_counts = await self._sync_running_counts()
             if not self.engines_running:
                 self._end_wave()
 
@@ -154,6 +155,13 @@ class DPEngineCoreProc(EngineCoreProc):
             seconds = await self.dp_group.max_step_time(seconds)
             await super()._run_forward(time.sleep, max(0.0, start + seconds - time.perf_counter()))
         return output
+
+    async def _sync_running_counts(self) -> list[int]:
+        num_running = len(self.scheduler.running)
+        if self.count_sync == "all-reduce-max":
+            # The gate reads only max(balance_counts): the maximum alone decides the same.
+            return [await self.dp_group.max_running_count(num_running)]
+        return await self.dp_group.gather_running_counts(num_running)
 
     async def _has_global_unfinished_reqs(self, local_unfinished: bool) -> bool:
         # vLLM's optimisation: only every 32nd step pays for the all-reduce.

@@ -8,6 +8,8 @@ per engine process. The collectives are the only way ranks talk during a wave:
 
   has_global_unfinished_reqs  all-reduce (MAX) of "this rank has unfinished requests"
   gather_running_counts       all-gather of len(running), for BalanceScheduler's gate
+  max_running_count           all-reduce (MAX) of len(running): all the gate reads, for less
+                              (--balance-count-sync all-reduce-max)
   max_step_time               all-reduce (MAX) of a simulated step's time (the lockstep that a
                               simulated model has no all-to-all for)
 
@@ -83,6 +85,10 @@ class DPGroup:
     async def gather_running_counts(self, num_running: int) -> list[int]:
         mine = torch.tensor([num_running], dtype=torch.int64)
         return [int(t) for t in await self._run(_all_gather, self._group, mine)]
+
+    async def max_running_count(self, num_running: int) -> int:
+        mine = torch.tensor([num_running], dtype=torch.int64)
+        return int(await self._run(_all_reduce_max, self._group, mine))
 
     async def max_step_time(self, seconds: float) -> float:
         seconds = torch.tensor([seconds], dtype=torch.float64)

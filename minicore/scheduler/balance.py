@@ -25,7 +25,8 @@ class BalanceScheduler(Scheduler):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, dp_size: int = 1):
         super().__init__(scheduler_config, cache_config)
         # len(running) of every DP rank after the previous step, assigned as a plain list by the
-        # DP group (or by hand in tests); only its maximum is read.
+        # DP group (or by hand in tests). Only its maximum is read, so the DP group may assign
+        # just [maximum] (--balance-count-sync all-reduce-max).
         self.balance_counts = [0] * dp_size
         full = self.max_num_running_reqs
         limit = full - 1 if scheduler_config.balance_threshold == "one-short" else full

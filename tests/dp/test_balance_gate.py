@@ -1,7 +1,9 @@
 """Balance scheduling's gate, live: DP=2 engine processes on the SIMULATED runner, max_num_seqs=4.
 
 While any rank runs at the threshold ("full": max_num_seqs = 4, "one-short": 3), no rank admits a
-waiting request, not even an idle one; without balance scheduling every rank admits at once. Rank 0
+waiting request, not even an idle one; without balance scheduling every rank admits at once. The
+gated scenarios run with both ways of sharing the running counts (--balance-count-sync): the gate
+reads only their maximum, so the all-reduce (MAX) must gate exactly as the all-gather does. Rank 0
 is filled with long requests (100 steps of 10 ms: a second or more), then short ones are sent; the
 tests assert on ordering, not durations: a gated short request gets its first token only after a
 long one finished, an ungated one (and its whole run) before any long one finished. The times are
@@ -27,9 +29,12 @@ STEP_S = 0.01
 SCENARIO_TIMEOUT_S = 60
 
 
-def gate_config(balance: bool, threshold: str = "full"):
+COUNT_SYNCS = ["all-gather", "all-reduce-max"]
+
+
+def gate_config(balance: bool, threshold: str = "full", count_sync: str = "all-gather"):
     return simulated_dp_config(2, step_s=STEP_S, max_num_seqs=4, balance_scheduling=balance,
-                               balance_threshold=threshold)
+                               balance_threshold=threshold, balance_count_sync=count_sync)
 
 
 class EngineTimes:
@@ -109,10 +114,11 @@ def assert_admitted_at_once(times: EngineTimes, longs: list[str], shorts: list[s
             "request: it was held back")
 
 
-async def test_one_short_threshold_holds_back_every_rank():
+@pytest.mark.parametrize("count_sync", COUNT_SYNCS)
+async def test_one_short_threshold_holds_back_every_rank(count_sync):
     """3 running on rank 0 (= max_num_seqs - 1): neither rank 1 (idle) nor rank 0 (a free slot)
     admits until a long request finishes."""
-    async with dp_client(gate_config(balance=True, threshold="one-short")) as client:
+    async with dp_client(gate_config(True, "one-short", count_sync)) as client:
         assert_gated(*await fill_then_send(client, 3, [1, 0], "one-short"))
 
 
@@ -121,9 +127,10 @@ async def test_without_balance_every_rank_admits_at_once():
         assert_admitted_at_once(*await fill_then_send(client, 3, [1, 0], "off"))
 
 
-async def test_full_threshold_gates_only_a_full_rank():
+@pytest.mark.parametrize("count_sync", COUNT_SYNCS)
+async def test_full_threshold_gates_only_a_full_rank(count_sync):
     """"full": 3 running on rank 0 leaves rank 1 free to admit; 4 (a full rank) closes the gate."""
-    async with dp_client(gate_config(balance=True, threshold="full")) as client:
+    async with dp_client(gate_config(True, "full", count_sync)) as client:
         assert_admitted_at_once(*await fill_then_send(client, 3, [1], "three"))
         start = time.monotonic()
         assert_gated(*await fill_then_send(client, 4, [1], "four"))

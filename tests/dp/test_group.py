@@ -1,8 +1,8 @@
 """The DP group with real processes and real gloo collectives: the unfinished-requests all-reduce,
-the balance gather into BalanceScheduler.balance_counts (both awaited from an event loop), a clear
-error when a rank never arrives (in the group, and at the frontend), and one when ranks disagree on
-a setting that changes their collectives; every socket of the group listens on the DP address only.
-Every wait is bounded."""
+the balance gather of a BalanceScheduler's len(running) and its all-reduce (MAX) alternative (all
+awaited from an event loop), a clear error when a rank never arrives (in the group, and at the
+frontend), and one when ranks disagree on a setting that changes their collectives; every socket
+of the group listens on the DP address only. Every wait is bounded."""
 
 import asyncio
 import multiprocessing
@@ -39,8 +39,9 @@ def _rank_main(rank: int, size: int, port: int, results) -> None:
     async def loop_side():
         unfinished = await group.has_global_unfinished_reqs(rank == size - 1)
         idle = await group.has_global_unfinished_reqs(False)
-        scheduler.balance_counts = await group.gather_running_counts(len(scheduler.running))
-        return unfinished, idle, scheduler.balance_counts
+        gathered = await group.gather_running_counts(len(scheduler.running))
+        largest = await group.max_running_count(len(scheduler.running))
+        return unfinished, idle, gathered, largest
 
     results.put((rank, *asyncio.run(loop_side())))
     group.destroy()
@@ -62,7 +63,7 @@ def test_collectives_across_ranks(size):
                 p.kill()
     assert [p.exitcode for p in procs] == [0] * size
     expected_counts = [r + 1 for r in range(size)]
-    assert got == [(r, True, False, expected_counts) for r in range(size)]
+    assert got == [(r, True, False, expected_counts, size) for r in range(size)]
 
 
 def _lonely_rank(port: int, results) -> None:
