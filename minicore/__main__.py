@@ -1,4 +1,4 @@
-"""python -m minicore {generate,serve}: the command line.
+"""python -m minicore {generate,serve,simulate}: the command line.
 
 Mirrors vllm/entrypoints/cli/ in spirit: one subcommand per entry point, flags with vLLM's names.
 """
@@ -9,6 +9,7 @@ import os
 import sys
 
 from minicore.config import add_engine_cli_args, create_engine_config, engine_kwargs_from_cli
+from minicore.dp.sim_report import add_simulate_args, simulate_main
 
 # generate's LLM runs one in-process engine, which refuses data parallelism, on the transformers
 # runner only (it takes the tokenizer and vocab from the loaded model); generate's own --seed seeds
@@ -93,13 +94,16 @@ def make_parser() -> argparse.ArgumentParser:
                      help="seed every prompt's sampling (default: unseeded)")
     add_engine_cli_args(gen, GENERATE_EXCLUDE)
     _add_serve_args(sub.add_parser("serve", help="serve the OpenAI-compatible API over HTTP"))
+    add_simulate_args(sub.add_parser(
+        "simulate", help="SIMULATED data-parallel ranks in lockstep on the real schedulers: "
+                         "the balance gate against the baseline"))
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     args = make_parser().parse_args(argv)
     try:
-        {"generate": _generate, "serve": _serve}[args.command](args)
+        {"generate": _generate, "serve": _serve, "simulate": simulate_main}[args.command](args)
     except ValueError as e:
         sys.exit(f"error: {e}")
 

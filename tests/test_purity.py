@@ -7,12 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+# The DP simulator steps the schedulers without torch too: `python -m minicore simulate` should
+# start in a moment.
 MODULES = ["minicore.scheduler", "minicore.request", "minicore.sampling_params",
-           "minicore.config", "minicore.outputs"]
+           "minicore.config", "minicore.outputs", "minicore.dp.simulator", "minicore.dp.sim_report"]
 FORBIDDEN = ["torch", "zmq", "transformers"]
 PACKAGE = Path(__file__).resolve().parents[1] / "minicore"
 SOURCES = sorted((PACKAGE / "scheduler").glob("*.py")) + [
-    PACKAGE / name for name in ("request.py", "sampling_params.py", "config.py", "outputs.py")]
+    PACKAGE / name for name in ("request.py", "sampling_params.py", "config.py", "outputs.py",
+                                "dp/simulator.py", "dp/sim_report.py")]
 
 
 def _probe(modules, forbidden, pre=""):
