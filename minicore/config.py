@@ -169,6 +169,13 @@ class ParallelConfig:
     data_parallel_rpc_port: int = _flag(
         29550, "the DP group's rendezvous port; the engines' handshake is on the next",
         aliases=("-dpp",))
+    # vLLM's flag (vllm/engine/arg_utils.py). As in vLLM's DP deployments, the expert-parallel
+    # group is the DP ranks themselves (minicore/model/expert_parallel.py).
+    enable_expert_parallel: bool = _flag(
+        False, "shard every mixture-of-experts layer's experts over the DP ranks (expert "
+               "parallelism): each rank holds 1/N of them, and every forward, dummy ones "
+               "included, exchanges tokens with the other ranks; needs --data-parallel-size >= 2 "
+               "and a Qwen3-MoE, Qwen2-MoE, Mixtral or OLMoE model")
 
     def __post_init__(self):
         if self.data_parallel_size < 1:
@@ -187,6 +194,9 @@ class ParallelConfig:
         if not 0 < self.data_parallel_rpc_port < 65535:
             raise ValueError(f"data_parallel_rpc_port must be in (0, 65535), "
                              f"got {self.data_parallel_rpc_port}")
+        if self.enable_expert_parallel and self.data_parallel_size < 2:
+            raise ValueError("expert parallelism shards the experts over the data-parallel ranks: "
+                             "--enable-expert-parallel needs --data-parallel-size >= 2")
 
     @property
     def local_ranks(self) -> range:
@@ -205,6 +215,9 @@ class EngineConfig:
         if self.scheduler_config.balance_scheduling and self.parallel_config.data_parallel_size < 2:
             raise ValueError("balance scheduling balances data-parallel ranks: it needs "
                              "data_parallel_size >= 2")
+        if self.parallel_config.enable_expert_parallel and self.model_config.runner == "simulated":
+            raise ValueError("the simulated runner has no experts to shard: "
+                             "--enable-expert-parallel needs --runner transformers")
 
 
 # EngineConfig's sub-configs, with the titles of their flags' --help groups.

@@ -1,6 +1,7 @@
 """The command line's engine flags, made from the config dataclasses by add_engine_cli_args: one
 flag per user-facing field with the dataclass's default, vLLM's flag names, and a bad value refused
-by argparse (exit code 2) or by the config (ValueError). Parsing only: no engine starts."""
+by argparse (exit code 2) or by the config (ValueError); a model that --enable-expert-parallel
+cannot serve is refused from its config.json. Parsing only: no engine starts."""
 
 import argparse
 from collections import Counter
@@ -114,6 +115,10 @@ def test_bad_flags_are_argparse_errors(argv, message, capsys):
     (["serve", "--max-num-seqs", "0"], "max_num_seqs must be >= 1"),
     (["serve", "--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in"),
     (["serve", "--balance-scheduling"], "data_parallel_size >= 2"),
+    (["serve", "--enable-expert-parallel"],
+     "over the data-parallel ranks: --enable-expert-parallel needs --data-parallel-size >= 2"),
+    (["serve", "-dp", "2", "--runner", "simulated", "--enable-expert-parallel"],
+     "the simulated runner has no experts to shard"),
     (["generate", "hi", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "16"],
      "without chunked prefill"),
 ])
@@ -133,3 +138,34 @@ def test_help_groups_the_flags_by_config(capsys):
     assert "--enable-prefix-caching, --no-enable-prefix-caching" in out
     assert "--data-parallel-size DATA_PARALLEL_SIZE, -dp DATA_PARALLEL_SIZE" in out
     assert out.index("\n  --headless ") > titles[-1]
+
+
+def test_expert_parallel_flag():
+    assert engine_config(["serve", "-dp", "2", "--enable-expert-parallel"]) \
+        .parallel_config.enable_expert_parallel
+    assert not engine_config(["serve", "-dp", "2"]).parallel_config.enable_expert_parallel
+
+
+SUPPORTED_MOE = "(supported model types: mixtral, olmoe, qwen2_moe, qwen3_moe)"
+
+
+@pytest.mark.parametrize("model_type, config_args, dp, message", [
+    ("llama", {}, 2,
+     "dense model (llama): --enable-expert-parallel needs a mixture-of-experts model "
+     + SUPPORTED_MOE),
+    ("deepseek_v3", {"n_routed_experts": 8}, 2,
+     "expert parallelism does not support 'deepseek_v3' models " + SUPPORTED_MOE),
+    ("olmoe", {"num_experts": 4}, 8,
+     "expert parallelism over 8 ranks needs at least 8 experts per layer (one per rank); "
+     "this olmoe model has 4"),
+])
+def test_serve_refuses_a_model_expert_parallelism_cannot_serve(tmp_path, model_type,
+                                                               config_args, dp, message):
+    """From the model's config alone, before any engine starts: `error: ...`, as for a bad value
+    (the directory holds nothing else)."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(model_type, **config_args).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", str(tmp_path), "-dp", str(dp), "--enable-expert-parallel"])
+    assert e.value.code == f"error: {message}"

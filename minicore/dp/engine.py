@@ -3,13 +3,14 @@ peers.
 
 Mirrors DPEngineCoreProc in vllm/v1/engine/core.py with the balance gather of vllm-ascend's
 BalanceDPEngineCoreProc.run_busy_loop (PR #5212), as a coroutine. Each rank has its own scheduler,
-KV cache and model replica; ranks meet only in the collectives of minicore/dp/group.py.
+KV cache and model replica; ranks meet only in the collectives of minicore/dp/group.py, and, with
+expert parallelism (--enable-expert-parallel), inside the model's forward.
 
 The rule that keeps ranks from hanging: every rank issues the same DP-group collectives in the
 same order, one at a time, all from this busy loop (each awaited before the next; none while a
 forward runs). One iteration of a running wave issues, in this order:
-  1. the forward or, with nothing scheduled, a dummy batch; with the simulated runner either one is
-     followed by max_step_time (its stand-in for an MoE model's all-to-alls);
+  1. exactly one forward: the step's or, with nothing scheduled, a dummy batch; with the simulated
+     runner either one is followed by max_step_time (its stand-in for an MoE model's all-to-alls);
   2. every 32nd step of the wave: has_global_unfinished_reqs;
   3. with balance scheduling: gather_running_counts (or max_running_count, with
      --balance-count-sync all-reduce-max), on every iteration, dummy ones included (a gather
@@ -17,8 +18,18 @@ forward runs). One iteration of a running wave issues, in this order:
 The dummy batch is why a rank with no work still runs iterations while the wave runs: it keeps the
 rank issuing 1-3 with its peers. For the dense transformers runner the dummy forward itself
 exchanges nothing (the replicas meet only at 2 and 3); for the simulated runner it also keeps the
-step-time all-reduce in step; for a mixture-of-experts model with its experts sharded over the
-ranks it would also join the forward's all-to-alls.
+step-time all-reduce in step.
+
+With expert parallelism every forward, dummy ones included, issues the model's own collectives on
+a second group of the same ranks (DPGroup.new_expert_parallel_group; minicore/model/
+expert_parallel.py): one token-count all-gather, then per MoE layer an all-gather and a
+reduce-scatter, on the forward thread. So 1 must hold exactly: a rank whose step schedules nothing
+(its requests held back by the balance gate, blocked on KV blocks, or all aborted) has not run a
+forward (_process_engine_step reports False, as the runner skips an empty batch) and runs the
+dummy batch instead; a rank with no request at all does the same while the wave runs. A peer that
+dies fails the pending collective in the forward with a RuntimeError (within about a second; a hung
+peer after the group's timeout), which ends this rank with ENGINE_CORE_DEAD like any other
+collective's failure outside shutdown.
 
 Waves: the ranks run together from the first request after an idle period to the all-reduce that
 finds no unfinished request anywhere; then rank 0 reports wave_complete, every rank advances its
@@ -35,10 +46,13 @@ import time
 
 import zmq
 import zmq.asyncio
+from torch.distributed import ProcessGroup
 
 from minicore.config import EngineConfig
 from minicore.dp.group import DPGroup
 from minicore.engine.core_proc import HANDSHAKE_TIMEOUT_S, EngineCoreProc
+from minicore.model.expert_parallel import shard_experts
+from minicore.model.loader import resolve_device
 from minicore.protocol import EngineCoreRequestType
 
 logger = logging.getLogger(__name__)
@@ -59,7 +73,9 @@ class DPEngineCoreProc(EngineCoreProc):
         self.balance = config.scheduler_config.balance_scheduling
         self.count_sync = config.scheduler_config.balance_count_sync
         self.simulated = config.model_config.runner == "simulated"
+        self.expert_parallel = config.parallel_config.enable_expert_parallel
         self.dp_group: DPGroup | None = None
+        self.ep_group: ProcessGroup | None = None
         self._monitor: zmq.Socket | None = None
         super().__init__(config, handshake_address, engine_index, handshake_timeout)
 
@@ -71,7 +87,22 @@ class DPEngineCoreProc(EngineCoreProc):
             "--balance-scheduling": int(self.balance),
             "--runner simulated": int(self.simulated),
             "--balance-count-sync all-reduce-max": int(self.count_sync == "all-reduce-max"),
+            "--enable-expert-parallel": int(self.expert_parallel),
         })
+        if self.expert_parallel:
+            self.ep_group = self.dp_group.new_expert_parallel_group(
+                resolve_device(config.model_config.device))
+
+    def _load_model(self, config: EngineConfig):
+        model, tokenizer = super()._load_model(config)
+        if self.ep_group is not None:
+            # Before the runner exists: on CUDA its profiling forward already meets the peers.
+            info = shard_experts(model, self.ep_group)
+            logger.info("DP rank %d: experts %d-%d of %d in each of %d MoE layers (expert "
+                        "parallel, %d collectives per forward)", self.dp_rank,
+                        info.local_experts.start, info.local_experts.stop - 1, info.num_experts,
+                        info.num_moe_layers, info.collectives_per_forward)
+        return model, tokenizer
 
     def close(self, fatal: bool) -> None:
         if self.dp_group is not None:

@@ -27,7 +27,11 @@ default: whatever the hostname resolves to). For that the group is built by hand
 with a ProcessGroupGloo backend as in vLLM's stateless_init_torch_distributed_process_group
 (vllm/distributed/utils.py): init_process_group ignores a gloo backend's options, its devices
 included. So the group is not torch's default one, and every collective names it.
-Left out: NCCL groups.
+
+With expert parallelism the same ranks form a second group (new_expert_parallel_group) for the
+model's own collectives, gloo on the CPU and NCCL on CUDA, as vLLM's DP deployments build their
+EP group from the DP ranks. Left out: NCCL for the DP loop's own collectives (tiny, and gloo runs
+everywhere).
 """
 
 import asyncio
@@ -39,7 +43,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed import ProcessGroup, ProcessGroupGloo, TCPStore
+from torch.distributed import PrefixStore, ProcessGroup, ProcessGroupGloo, TCPStore
 
 
 class DPGroup:
@@ -48,7 +52,8 @@ class DPGroup:
         naming the address when rank 0 cannot listen there, or when not every rank arrives within
         timeout_s."""
         self.rank, self.size = rank, size
-        timeout = timedelta(seconds=timeout_s)
+        timeout = self._timeout = timedelta(seconds=timeout_s)
+        self._expert_parallel_groups: list[ProcessGroup] = []
         # Bound before the store exists: a port in use is an error now, not a timeout later.
         listen_fd = _listen_on(address, port).detach() if rank == 0 else None
         try:
@@ -56,8 +61,8 @@ class DPGroup:
             self._store = TCPStore(address, port, world_size=size, is_master=rank == 0,
                                    timeout=timeout, wait_for_workers=True,
                                    master_listen_fd=listen_fd, use_libuv=True)
-            self._group = _gloo_group(self._store, rank, size, _local_address_towards(address),
-                                      timeout)
+            self._bind_address = _local_address_towards(address)
+            self._group = _gloo_group(self._store, rank, size, self._bind_address, timeout)
         except (RuntimeError, OSError) as e:  # DistError is a RuntimeError
             raise RuntimeError(f"DP rank {rank} of {size}: the group at tcp://{address}:{port} did "
                                f"not come together within {timeout_s:g} s: {e}") from e
@@ -77,6 +82,20 @@ class DPGroup:
             if len(set(per_rank)) > 1:
                 raise RuntimeError(f"DP ranks disagree on {name}: {per_rank} (by rank); start "
                                    "every rank with the same engine arguments")
+
+    def new_expert_parallel_group(self, device: torch.device) -> ProcessGroup:
+        """At startup, on every rank: a group of the same ranks for a mixture-of-experts model's
+        collectives (minicore/model/expert_parallel.py), gloo on the CPU, NCCL on CUDA. Its own
+        group, on the same rendezvous store under the prefix "ep": those collectives run on the
+        forward thread, and a group matches its collectives by their order, so it must not be
+        shared with the DP loop's. Destroyed with this group."""
+        store = PrefixStore("ep", self._store)
+        if device.type == "cuda":
+            group = _nccl_group(store, self.rank, self.size, device, self._timeout)
+        else:
+            group = _gloo_group(store, self.rank, self.size, self._bind_address, self._timeout)
+        self._expert_parallel_groups.append(group)
+        return group
 
     async def has_global_unfinished_reqs(self, local_unfinished: bool) -> bool:
         flag = torch.tensor([int(local_unfinished)], dtype=torch.int32)
@@ -112,6 +131,9 @@ class DPGroup:
     def destroy(self) -> None:
         self._calls.put(None)
         self._thread.join(timeout=1.0)
+        for group in self._expert_parallel_groups:
+            group.shutdown()
+        self._expert_parallel_groups.clear()
         if self._group is not None:
             self._group.shutdown()
             # Rank 0's store stops listening once the last reference (the group's) goes.
@@ -152,7 +174,7 @@ def _local_address_towards(address: str) -> str:
             return probe.getsockname()[0]
 
 
-def _gloo_group(store: TCPStore, rank: int, size: int, bind_address: str,
+def _gloo_group(store: TCPStore | PrefixStore, rank: int, size: int, bind_address: str,
                 timeout: timedelta) -> ProcessGroup:
     """A gloo process group whose sockets listen on bind_address (torch's init_process_group
     cannot say where: it ignores a gloo backend's options)."""
@@ -164,6 +186,22 @@ def _gloo_group(store: TCPStore, rank: int, size: int, bind_address: str,
     group = ProcessGroup(store, rank, size)
     group._set_default_backend(ProcessGroup.BackendType.GLOO)
     group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
+    return group
+
+
+def _nccl_group(store: PrefixStore, rank: int, size: int, device: torch.device,
+                timeout: timedelta) -> ProcessGroup:
+    """An NCCL process group on this rank's GPU, built by hand as vLLM's
+    stateless_init_torch_distributed_process_group does (untested here: no GPU was at hand)."""
+    from torch.distributed import ProcessGroupNCCL  # absent from CPU-only builds of torch
+
+    options = ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    backend = ProcessGroupNCCL(store, rank, size, options)
+    backend._set_sequence_number_for_group()
+    group = ProcessGroup(store, rank, size)
+    group._set_default_backend(ProcessGroup.BackendType.NCCL)
+    group._register_backend(device, ProcessGroup.BackendType.NCCL, backend)
     return group
 
 

@@ -30,19 +30,24 @@ class EngineCore:
         _check_kv_cache_fits(config)
         self.scheduler = make_scheduler(config)
 
-    @staticmethod
-    def _make_model_runner(config: EngineConfig, model, tokenizer):
+    def _make_model_runner(self, config: EngineConfig, model, tokenizer):
         if config.model_config.runner == "simulated":
             from minicore.model.simulated import SimulatedModelRunner
 
             return SimulatedModelRunner(config)
-        from minicore.model.loader import load_model
         from minicore.model.runner import ModelRunner
 
         if model is None:
-            mc = config.model_config
-            model, tokenizer = load_model(mc.model, dtype=mc.dtype, device=mc.device)
+            model, tokenizer = self._load_model(config)
         return ModelRunner(config, model, tokenizer)
+
+    def _load_model(self, config: EngineConfig):
+        """(model, tokenizer) from config.model_config, ready for the runner, whose first forward
+        may run at once (DPEngineCoreProc shards an MoE model's experts here)."""
+        from minicore.model.loader import load_model
+
+        mc = config.model_config
+        return load_model(mc.model, dtype=mc.dtype, device=mc.device)
 
     def add_request(self, request: Request) -> None:
         """ValueError for a request the model cannot run; nothing is scheduled then."""

@@ -38,10 +38,20 @@ STOP_TIMEOUT_S = 5.0
 
 def resolve_model(config: EngineConfig) -> EngineConfig:
     """The config with its model resolved to a safetensors directory (a GGUF is converted once and
-    cached), so that the frontend and every engine read the same files."""
+    cached), so that the frontend and every engine read the same files. With expert parallelism,
+    a model it cannot serve is refused here, from its config alone, before any engine starts
+    (ExpertParallelError, a ValueError: `serve` prints it as a configuration error)."""
     from minicore.model.loader import resolve_model_dir
 
     model_dir = str(resolve_model_dir(config.model_config.model))
+    pc = config.parallel_config
+    if pc.enable_expert_parallel:
+        from transformers import AutoConfig
+
+        from minicore.model.expert_parallel import check_expert_parallel
+
+        hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        check_expert_parallel(hf_config, pc.data_parallel_size)
     return dataclasses.replace(
         config, model_config=dataclasses.replace(config.model_config, model=model_dir))
 

@@ -156,7 +156,7 @@ class ExpertParallelExperts(nn.Module):
         local_index = local_index.masked_fill(skip, self.experts.num_experts)
         partial = self.experts(hidden, local_index, weights.masked_fill(skip, 0))
         mine = partial.new_empty(max_tokens, partial.shape[-1])
-        dist.reduce_scatter_tensor(mine, partial.contiguous(), group=self.group)
+        dist.reduce_scatter_single(mine, partial.contiguous(), group=self.group)
         return mine[:num_tokens]
 
 
@@ -176,7 +176,7 @@ class _ForwardTokenCounts:
         if self._counts is None:
             counts = torch.empty(self.group.size(), dtype=torch.long, device=device)
             mine = torch.tensor([num_tokens], dtype=torch.long, device=device)
-            dist.all_gather_into_tensor(counts, mine, group=self.group)
+            dist.all_gather_single(counts, mine, group=self.group)
             self._counts, self._local, self._max = counts, num_tokens, int(counts.max())
         elif num_tokens != self._local:
             raise RuntimeError(f"an MoE layer got {num_tokens} tokens, an earlier one of the same "
@@ -192,7 +192,7 @@ def _all_gather_rows(group: ProcessGroup, max_tokens: int,
     packed = torch.cat(columns, dim=1)
     packed = F.pad(packed, (0, 0, 0, max_tokens - packed.shape[0]))
     gathered = packed.new_empty(group.size() * max_tokens, packed.shape[1])
-    dist.all_gather_into_tensor(gathered, packed, group=group)
+    dist.all_gather_single(gathered, packed, group=group)
     unpacked, offset = [], 0
     for t, column in zip(tensors, columns):
         width = column.shape[1]

@@ -48,12 +48,17 @@ def load_model(
     directory holding ``config.json`` + safetensors weights + tokenizer files, or a ``.gguf`` file.
     ``dtype`` defaults to float32 on CPU and bfloat16 on CUDA; ``device`` to CUDA when available.
     """
-    import torch
-
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(device)
     dtype = _resolve_dtype(dtype, device)
     hf_model, tokenizer = _from_pretrained(resolve_model_dir(model, cache_dir), dtype)
     return hf_model.to(device).eval(), tokenizer
+
+
+def resolve_device(device: torch.device | str | None = None) -> torch.device:
+    """The device a model loads on: the one given, else CUDA when available, else the CPU."""
+    import torch
+
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def resolve_model_dir(model: str | os.PathLike | None = None,

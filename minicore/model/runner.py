@@ -101,6 +101,8 @@ class ModelRunner(ModelRunnerBase):
             if start + n == len(state.token_ids):
                 sampling_rows.append(row)
         sampled: list[list[int]] = [[] for _ in req_ids]
+        # No forward for an empty batch: a DP rank then runs a dummy batch, which with expert
+        # parallelism joins the peers' collectives in its place (minicore/dp/engine.py).
         if req_ids:
             meta = AttentionMetadata.build([s.block_ids for s in states], computed, num_new,
                                            self.kv_caches)

@@ -6,6 +6,9 @@
   headless command stops by itself when the frontend goes away.
 - A rank killed with SIGKILL: every in-flight stream ends with an error, /health turns 503, and the
   surviving rank is stopped instead of waiting forever in a collective.
+- The same with expert parallelism, the killed rank a headless one: the frontend cannot see a
+  remote process die, so it is the surviving rank, failing in its next forward's collective, that
+  reports it (ENGINE_CORE_DEAD and exit 1), within the same bounds.
 Every wait is bounded and every process is killed at the end, whatever happened.
 """
 
@@ -309,3 +312,46 @@ async def test_killed_rank_fails_streams_and_stops_its_peer():
 
 async def _status_is(http: httpx.AsyncClient, path: str, status: int) -> bool:
     return (await http.get(path)).status_code == status
+
+
+async def test_expert_parallel_rank_killed_mid_wave_is_reported_by_its_peer(moe_model_dir):
+    rpc_port = free_port_pair()
+    # Room for _long_stream's 1000 tokens.
+    dp = ["--data-parallel-size", "2", "--data-parallel-size-local", "1",
+          "--data-parallel-rpc-port", str(rpc_port), "--model", moe_model_dir("qwen3_moe"),
+          "--enable-expert-parallel", "--max-model-len", "1100", "--kv-cache-memory",
+          str(64 << 20)]
+    with _Frontend(*dp) as server, _Headless("--data-parallel-start-rank", "1", *dp) as headless:
+        await asyncio.wait_for(asyncio.to_thread(server.wait_healthy), STARTUP_TIMEOUT_S + 10)
+        (rank0,) = _engine_processes(server)
+        (rank1,) = [p for p in psutil.Process(headless.proc.pid).children(recursive=True)
+                    if "spawn_main" in " ".join(p.cmdline())]
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http, \
+                asyncio.timeout(90):
+            started = [asyncio.Event() for _ in range(4)]
+            streams = [asyncio.create_task(_long_stream(http, i % 2, started[i]))
+                       for i in range(4)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 30)
+
+            rank1.kill()
+            await _poll(lambda: _status_is(http, "/health", 503), FAIL_FAST_S, "/health 503")
+            results = await asyncio.wait_for(asyncio.gather(*streams), FAIL_FAST_S)
+            assert any(broken is None for _, broken in results), results
+            for events, broken in results:
+                if broken is None:
+                    assert events[-1]["error"]["code"] == 503, events[-1]
+                    # Rank 0 ended itself on the failed collective (a fatal error: exit code 1).
+                    assert "engine core 0's process exited with code 1" in \
+                        events[-1]["error"]["message"]
+                assert all(e["choices"][0]["finish_reason"] is None
+                           for e in events if "choices" in e), "a stream finished normally"
+            refused = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert refused.status_code == 503
+            _, alive = await asyncio.to_thread(psutil.wait_procs, [rank0], EXIT_TIMEOUT_S)
+            assert not alive, "rank 0's engine outlived its dead peer"
+            # The headless command stops once its rank is gone.
+            await asyncio.to_thread(headless.proc.wait, EXIT_TIMEOUT_S)
+            assert server.proc.poll() is None
+
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(EXIT_TIMEOUT_S)

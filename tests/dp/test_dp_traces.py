@@ -1,5 +1,7 @@
 """Random request traces through AsyncLLM against real DP engine processes (SIMULATED
-runner, real gloo), DP size 2 and 3, balance scheduling off and on.
+runner, real gloo), DP size 2 and 3, balance scheduling off and on; and DP size 2 serving a tiny
+mixture-of-experts model with expert parallelism (tests/model/moe_models.py), whose every forward,
+dummy ones included, meets the other rank in each MoE layer, balance scheduling off and on.
 
 Every rank must issue the same collectives in the same order whatever reaches it: a mismatch is a
 hang, not an error. So the traces mix what makes ranks diverge: bursts with random prompt lengths
@@ -7,11 +9,14 @@ and max_tokens (requests end at different steps on different ranks), staggered a
 aborted mid-stream (client.abort, or closing the iterator), bursts that leave a rank out, one case
 whose last rank receives nothing at all, and bursts sent while the previous wave is winding down.
 Each trace runs under a time bound, so a collective mismatch fails fast. The seed is in the test
-id; more seeds: MINICORE_DP_TRACE_SEEDS=1,2,3 pytest tests/dp/test_dp_traces.py
+id; more seeds: MINICORE_DP_TRACE_SEEDS=1,2,3 pytest tests/dp/test_dp_traces.py. Tokens are checked
+against the simulated model's, or against the greedy tokens of one in-process engine of the same
+MoE model without expert parallelism.
 """
 
 import asyncio
 import contextlib
+import functools
 import os
 import random
 from collections import defaultdict
@@ -22,12 +27,15 @@ import pytest_asyncio
 from dp_helpers import (
     assert_all_engines_idle,
     dp_client,
+    free_port_pair,
     simulated_dp_config,
     simulated_tokens,
     wait_idle,
 )
 
+from minicore.config import create_engine_config
 from minicore.engine.async_llm import AsyncLLM
+from minicore.llm import LLM
 from minicore.model.simulated import read_vocab
 from minicore.sampling_params import SamplingParams
 
@@ -39,21 +47,72 @@ TRACE_TIMEOUT_S = 60
 ABORTED_MAX_TOKENS = 1000
 # (DP size, balance scheduling): the cases whose last rank gets no request in the whole trace.
 SILENT_LAST_RANK = {(2, True), (3, False)}
+# The expert-parallel cases: room for an aborted request's ABORTED_MAX_TOKENS.
+EP_ENGINE_ARGS = dict(max_model_len=1200, kv_cache_memory=64 << 20)
 # client.abort mid-stream; the consumer closes the stream mid-stream; client.abort right after the
 # request is sent (the engine likely takes the ADD and the ABORT in one go: woken, nothing to run).
 ABORT_KINDS = ("abort", "close", "early")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session",
-                        params=[(2, False), (2, True), (3, False), (3, True)],
-                        ids=["dp2", "dp2-balance", "dp3", "dp3-balance"])
+                        params=[(2, False, None), (2, True, None), (3, False, None),
+                                (3, True, None), (2, False, "qwen2_moe"), (2, True, "qwen3_moe")],
+                        ids=["dp2", "dp2-balance", "dp3", "dp3-balance", "dp2-ep",
+                             "dp2-balance-ep"])
 async def client(request):
-    size, balance = request.param
+    size, balance, moe_family = request.param
     # max_num_seqs=4: bursts overflow a rank, so requests wait, and with balance scheduling the
     # gate (>= 3 running on any rank) closes and opens during the trace.
-    config = simulated_dp_config(size, step_s=0.002, balance_scheduling=balance, max_num_seqs=4)
+    if moe_family is None:
+        config = simulated_dp_config(size, step_s=0.002, balance_scheduling=balance,
+                                     max_num_seqs=4)
+    else:
+        model_dir = request.getfixturevalue("moe_model_dir")(moe_family)
+        config = create_engine_config(
+            model=model_dir, data_parallel_size=size, data_parallel_rpc_port=free_port_pair(),
+            enable_expert_parallel=True, balance_scheduling=balance, max_num_seqs=4,
+            **EP_ENGINE_ARGS)
     async with dp_client(config) as client:
         yield client
+
+
+def sampling(max_tokens: int) -> SamplingParams:
+    """Greedy and blind to EOS, so a real model's tokens are reproducible and run to max_tokens
+    (the simulated runner makes its tokens up either way)."""
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def expected_tokens(client: AsyncLLM, asks: list[tuple[list[int], int]]) -> list[list[int]]:
+    """For each (prompt, n): the first n tokens the engines must give after prompt."""
+    if client.config.model_config.runner == "simulated":
+        return [simulated_tokens(client, prompt, n) for prompt, n in asks]
+    return greedy_reference(client.config.model_config.model).tokens(asks)
+
+
+@functools.cache
+def greedy_reference(model_dir: str) -> "GreedyReference":
+    return GreedyReference(model_dir)
+
+
+class GreedyReference:
+    """Greedy continuations from one in-process engine of the model, without expert parallelism,
+    kept per prompt: a longer continuation answers for a shorter one."""
+
+    def __init__(self, model_dir: str):
+        self.llm = LLM(model_dir, **EP_ENGINE_ARGS)
+        self.continuations: dict[tuple[int, ...], list[int]] = {}
+
+    def tokens(self, asks: list[tuple[list[int], int]]) -> list[list[int]]:
+        needed: dict[tuple[int, ...], int] = {}
+        for prompt, n in asks:
+            if len(self.continuations.get(key := tuple(prompt), [])) < n:
+                needed[key] = max(n, needed.get(key, 0))
+        if needed:  # one batch for all: one request at a time would take longer than the trace
+            outputs = self.llm.generate([list(p) for p in needed],
+                                        [sampling(n) for n in needed.values()], use_tqdm=False)
+            for key, output in zip(needed, outputs):
+                self.continuations[key] = output.outputs[0].token_ids
+        return [self.continuations.get(tuple(prompt), [])[:n] for prompt, n in asks]
 
 
 # ---- the trace ---------------------------------------------------------------------------------
@@ -111,8 +170,8 @@ def plan_trace(rng: random.Random, size: int, silent_rank: int | None, vocab_siz
 async def run_request(client: AsyncLLM, req: PlannedRequest, outputs: dict) -> None:
     await asyncio.sleep(req.delay_s)
     seen = outputs[req.request_id] = []
-    stream = client.generate(req.prompt, SamplingParams(max_tokens=req.max_tokens),
-                             req.request_id, data_parallel_rank=req.rank)
+    stream = client.generate(req.prompt, sampling(req.max_tokens), req.request_id,
+                             data_parallel_rank=req.rank)
     aborted = False
 
     async def consume():
@@ -172,13 +231,17 @@ def describe_stuck(client: AsyncLLM) -> str:
 
 # ---- the checks --------------------------------------------------------------------------------
 
-def check_request(client, req: PlannedRequest, outputs, finishes, tap, engine_of) -> None:
+def final_tokens(outputs) -> list[int]:
+    return outputs[-1].outputs[0].token_ids if outputs else []
+
+
+def check_request(req: PlannedRequest, outputs, expected, finishes, tap, engine_of) -> None:
+    """expected: the reference's tokens, as many as the request got."""
     rid = req.request_id
     assert finishes[rid] == ["abort" if req.abort else "length"], (rid, finishes[rid])
     final = outputs[-1].outputs[0] if outputs else None
-    tokens = final.token_ids if final else []
-    expected = simulated_tokens(client, req.prompt, len(tokens))
-    assert tokens == expected, f"{rid}: tokens differ from the simulated model's"
+    tokens = final_tokens(outputs)
+    assert tokens == expected, f"{rid}: tokens differ from the reference's"
     assert [o.finished for o in outputs[:-1]] == [False] * (len(outputs) - 1), rid
     if req.abort is None:
         assert outputs[-1].finished and final.finish_reason == "length", (rid, final)
@@ -234,8 +297,10 @@ async def test_random_trace(client, seed):
 
     requests = [r for b in bursts for r in b.requests]
     assert sorted(outputs) == sorted(finishes) == sorted(r.request_id for r in requests)
-    for req in requests:
-        check_request(client, req, outputs[req.request_id], finishes, tap, engine_of)
+    expected = expected_tokens(client, [(r.prompt, len(final_tokens(outputs[r.request_id])))
+                                        for r in requests])
+    for req, tokens in zip(requests, expected):
+        check_request(req, outputs[req.request_id], tokens, finishes, tap, engine_of)
     # Each burst after an idle point started a wave that ended before the next idle point.
     assert waves == sorted(set(waves)) and len(waves) == 1 + sum(b.idle_before for b in bursts), \
         f"wave numbers at the idle points: {waves}"
@@ -257,7 +322,7 @@ async def test_request_for_a_stale_wave_completes(client):
     assert wave >= 1, "the engines must have completed a wave already"
     coordinator.current_wave, coordinator.engines_running = wave - 1, True
     prompt = [11, 12, 13]
-    params = SamplingParams(max_tokens=20)
+    params = sampling(20)
 
     async def run() -> list:
         return [o async for o in client.generate(prompt, params, f"stale-{wave}",
@@ -266,7 +331,7 @@ async def test_request_for_a_stale_wave_completes(client):
     outputs = await asyncio.wait_for(run(), 30)
     final = outputs[-1].outputs[0]
     assert final.finish_reason == "length"
-    assert final.token_ids == simulated_tokens(client, prompt, 20)
+    assert [final.token_ids] == expected_tokens(client, [(prompt, 20)])
     # Rank 1's start_wave moved the frontend to the engines' wave; that wave then completed.
     await wait_idle(client)
     assert coordinator.current_wave == wave + 1

@@ -12,7 +12,7 @@ import torch.distributed as dist
 # (rank 0's tokens, rank 1's tokens) per forward: a long batch next to a one-token (dummy-sized)
 # one, both ways round, then equal ones.
 TOKEN_COUNTS = [(7, 1), (1, 7), (5, 5)]
-COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor")
+COLLECTIVES = ("all_gather_single", "reduce_scatter_single")
 # transformers' experts implementations: each must skip the expert-parallel sentinel routes.
 EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "eager", "batched_mm")
 

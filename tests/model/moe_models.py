@@ -1,6 +1,7 @@
 """Tiny random mixture-of-experts models of each family expert parallelism supports, built from a
 config with a fixed seed and saved as safetensors directories (config.json + model.safetensors +
-generation_config.json; no tokenizer: these tests feed token ids).
+generation_config.json; no tokenizer: these tests feed token ids). build_served_moe makes one that
+can be served: the default model's tokenizer and vocabulary, and room for long requests.
 
 The families differ where it matters to expert parallelism: the expert counts split evenly and
 unevenly over 2 ranks (8, 6, 5, 4), Qwen2-MoE has a shared expert and a dense layer between its MoE
@@ -41,4 +42,21 @@ def build_tiny_moe(family: str, path: Path, seed: int = 0, **overrides) -> Path:
     model = AutoModelForCausalLM.from_config(tiny_moe_config(family, **overrides),
                                              dtype=torch.float32)
     model.save_pretrained(path)
+    return path
+
+
+# A served model needs a tokenizer: the default model's (SmolLM2's, bos 1 and eos 2 as above), with
+# its vocabulary; long streams (the DP tests' 1000 tokens) need the positions.
+_SERVED = dict(vocab_size=49152, max_position_embeddings=4096)
+
+
+def build_served_moe(family: str, path: Path, seed: int = 0, **overrides) -> Path:
+    """build_tiny_moe with the default model's tokenizer saved beside it; returns path."""
+    from transformers import AutoTokenizer
+
+    from minicore.model.loader import resolve_model_dir
+
+    build_tiny_moe(family, path, seed, **{**_SERVED, **overrides})
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir()), local_files_only=True)
+    tokenizer.save_pretrained(path)
     return path

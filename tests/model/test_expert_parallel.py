@@ -68,8 +68,7 @@ def test_every_rank_issues_the_same_collectives(reports, family):
     assert per_forward[0] == per_forward[1]
     layers = reports[0][family]["num_moe_layers"]
     # One count gather per forward, then per MoE layer one gather and one reduce-scatter.
-    expected = ["all_gather_into_tensor"] + ["all_gather_into_tensor",
-                                             "reduce_scatter_tensor"] * layers
+    expected = ["all_gather_single"] + ["all_gather_single", "reduce_scatter_single"] * layers
     assert per_forward[0] == [expected] * len(TOKEN_COUNTS) * len(EXPERTS_IMPLEMENTATIONS)
     assert len(expected) == reports[0][family]["collectives_per_forward"]
 
