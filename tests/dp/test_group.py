@@ -2,7 +2,8 @@
 the balance gather of a BalanceScheduler's len(running) and its all-reduce (MAX) alternative (all
 awaited from an event loop), a clear error when a rank never arrives (in the group, and at the
 frontend), and one when ranks disagree on a setting that changes their collectives; every socket
-of the group listens on the DP address only. Every wait is bounded."""
+of the group, and of the expert-parallel group made from it, listens on the DP address only. Every
+wait is bounded."""
 
 import asyncio
 import multiprocessing
@@ -11,6 +12,8 @@ import time
 
 import psutil
 import pytest
+import torch
+import torch.distributed as dist
 from dp_helpers import free_port_pair
 
 from minicore.config import CacheConfig, SchedulerConfig, create_engine_config
@@ -94,12 +97,16 @@ def _listening_rank(rank: int, port: int, results) -> None:
     group = DPGroup(rank, 2, "127.0.0.1", port, timeout_s=20)
     try:
         # After a collective every gloo connection is up; the second keeps rank 1 in the group
-        # while rank 0 looks.
+        # while rank 0 looks. The expert-parallel group (gloo on the CPU) is a second group of
+        # the same ranks, with its own listener.
         asyncio.run(group.has_global_unfinished_reqs(False))
+        ep_group = group.new_expert_parallel_group(torch.device("cpu"))
+        ranks = torch.empty(2, dtype=torch.long)
+        dist.all_gather_single(ranks, torch.tensor([rank]), group=ep_group)
         if rank == 0:
-            results.put(sorted((c.laddr.ip, c.laddr.port) for c in
-                               psutil.Process().net_connections(kind="tcp")
-                               if c.status == psutil.CONN_LISTEN))
+            results.put((ranks.tolist(), sorted(
+                (c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections(kind="tcp")
+                if c.status == psutil.CONN_LISTEN)))
         asyncio.run(group.has_global_unfinished_reqs(False))
     finally:
         group.destroy()
@@ -114,16 +121,17 @@ def test_the_group_listens_on_the_dp_address_only():
     for p in procs:
         p.start()
     try:
-        listening = results.get(timeout=60)
+        ep_ranks, listening = results.get(timeout=60)
     finally:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
     assert [p.exitcode for p in procs] == [0, 0]
+    assert ep_ranks == [0, 1]
     assert {ip for ip, _ in listening} == {"127.0.0.1"}, listening
     assert ("127.0.0.1", port) in listening  # the store
-    assert len(listening) >= 2  # and gloo's listener
+    assert len(listening) >= 3  # and the two groups' gloo listeners
 
 
 def _rank_with_settings(rank: int, port: int, settings: dict[str, int], results) -> None:

@@ -1,0 +1,101 @@
+"""Expert parallelism served (issue 13): for each supported family, a tiny random MoE model
+(tests/model/moe_models.py, with the default model's tokenizer) served by two engine processes with
+--enable-expert-parallel gives exactly the greedy tokens of one in-process engine without it.
+
+The requests are spread so that the ranks' token counts differ in every step, and so that rank 1
+runs dummy forwards (which must still meet rank 0's forwards in every MoE layer) both ways: idle
+with no request, and holding a request that the balance gate keeps it from scheduling. Rank 0 runs
+three requests of different lengths, which fill it (max_num_seqs 3: the gate closes on every rank);
+rank 1 runs a short one beside them, idles once it is done, and is then given a request that waits
+while rank 0 is full. Each rank says at startup which experts it kept. The random-trace tests
+(test_dp_traces.py) and a dying rank (test_dp_server.py) run with EP models too; the CLI's
+refusals are in tests/test_cli.py.
+"""
+
+import asyncio
+import random
+
+import pytest
+from dp_helpers import assert_all_engines_idle, dp_client, free_port_pair, wait_idle
+from moe_models import FAMILIES, tiny_moe_config
+
+from minicore.config import create_engine_config
+from minicore.llm import LLM
+from minicore.model.expert_parallel import check_expert_parallel, determine_expert_map
+from minicore.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+ENGINE_ARGS = dict(max_model_len=256, kv_cache_memory=16 << 20)
+MAX_NUM_SEQS = 3
+# (rank, prompt length, max_tokens): rank 0's three fill it, rank 1's first ends after 3 steps;
+# LATE is sent to rank 1 then, and waits until rank 0's 10-token request ends.
+FIRST = [(0, 23, 12), (0, 5, 16), (0, 11, 10), (1, 3, 3)]
+LATE = (1, 9, 5)
+PLAN = [*FIRST, LATE]
+TIMEOUT_S = 60
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+async def served_tokens(client, prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """Every request's tokens, in PLAN order, and rank 1's waiting counts from its frames after
+    LATE was sent."""
+
+    async def run(i: int) -> list[int]:
+        rank, _, max_tokens = PLAN[i]
+        outputs = [o async for o in client.generate(prompts[i], greedy(max_tokens), f"req-{i}",
+                                                    data_parallel_rank=rank)]
+        assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "length"
+        return outputs[-1].outputs[0].token_ids
+
+    rank1_waiting: list[int] = []
+    process_outputs = client._process_outputs
+
+    def tap(outputs):
+        if outputs.engine_index == 1 and outputs.scheduler_stats is not None:
+            rank1_waiting.append(outputs.scheduler_stats.num_waiting_reqs)
+        process_outputs(outputs)
+
+    first = [asyncio.create_task(run(i)) for i in range(len(FIRST))]
+    await first[-1]  # rank 1 is idle now, rank 0 still full
+    assert client.latest_stats[0].num_running_reqs == MAX_NUM_SEQS
+    client._process_outputs = tap
+    try:
+        late = await run(len(FIRST))
+    finally:
+        del client._process_outputs
+    return [*await asyncio.gather(*first), late], rank1_waiting
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+async def test_dp2_expert_parallel_gives_the_tokens_of_one_engine(moe_model_dir, family, capfd):
+    model_dir = moe_model_dir(family)
+    reference_llm = LLM(model_dir, **ENGINE_ARGS)
+    rng = random.Random(13)
+    vocab_size = reference_llm.llm_engine.model_runner.vocab_size
+    prompts = [[rng.randrange(3, vocab_size) for _ in range(length)] for _, length, _ in PLAN]
+    reference = [o.outputs[0].token_ids for o in reference_llm.generate(
+        prompts, [greedy(max_tokens) for _, _, max_tokens in PLAN], use_tqdm=False)]
+    del reference_llm
+
+    config = create_engine_config(model=model_dir, data_parallel_size=2,
+                                  data_parallel_rpc_port=free_port_pair(),
+                                  enable_expert_parallel=True, balance_scheduling=True,
+                                  max_num_seqs=MAX_NUM_SEQS, **ENGINE_ARGS)
+    async with dp_client(config) as client:
+        got, rank1_waiting = await asyncio.wait_for(served_tokens(client, prompts), TIMEOUT_S)
+        await wait_idle(client)
+        await assert_all_engines_idle(client)
+    assert got == reference
+    # A frame of rank 1 showed LATE waiting: a step that scheduled nothing, with a request held.
+    assert 1 in rank1_waiting, rank1_waiting
+
+    # Each rank kept its share of the experts (vLLM's linear placement) and said so.
+    num_experts = check_expert_parallel(tiny_moe_config(family), 2)
+    log = capfd.readouterr().err
+    for rank in range(2):
+        held = determine_expert_map(2, rank, num_experts)[1].ge(0).nonzero().flatten().tolist()
+        assert f"DP rank {rank}: experts {held[0]}-{held[-1]} of {num_experts}" in log
