@@ -37,6 +37,9 @@ EXPERIMENT = ("--data-parallel-size 4 --max-num-seqs 32 --max-num-batched-tokens
 
 
 def add_simulate_args(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("SIMULATED: N data-parallel ranks stepped in lockstep in one process, "
+                          "on minicore's real schedulers and a cost model; prints the baseline "
+                          "and each balance-gate threshold side by side.")
     parser.epilog = f"vllm-ascend PR #5212's experiment: python -m minicore simulate {EXPERIMENT}"
     exclude = tuple(f.name for cls in (ModelConfig, SchedulerConfig, CacheConfig, ParallelConfig)
                     for f in fields(cls) if f.name not in ENGINE_FLAGS)
