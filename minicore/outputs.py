@@ -5,6 +5,7 @@ pooling or speculative decoding.
 """
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -39,3 +40,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # The engine's KV connector's params for a finished request (a prefill instance's answer
+    # for the decode instance); None otherwise.
+    kv_transfer_params: dict[str, Any] | None = None

@@ -12,7 +12,9 @@ they are sent. Frames on the wire:
   dies of a fatal error, the raw frame ENGINE_CORE_DEAD followed by its index as 2 bytes
   (little-endian): engine_dead_frame(i).
 
-Left out: multimodal features, LoRA, pooling, structured output, logprobs, KV-transfer parameters.
+KV-transfer parameters travel as SamplingParams.kv_transfer_params (frontend -> engine) and
+EngineCoreOutput.kv_transfer_params (engine -> frontend, on a finishing request's output).
+Left out: multimodal features, LoRA, pooling, structured output, logprobs.
 """
 
 import enum
@@ -70,6 +72,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
     # Why the engine refused the request (finish_reason ERROR).
     error_message: str | None = None
+    # What the KV connector returns for a finished request (request_finished): a prefill
+    # instance's remote_engine_id, remote_block_ids, ... for the decode instance. None costs one
+    # msgpack nil byte per output (array_like encodes every field; omit_defaults does not apply).
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:

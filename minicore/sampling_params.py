@@ -4,11 +4,14 @@ Mirrors vllm/sampling_params.py, keeping the parameters minicore implements (no 
 beam search or structured output). Invalid values raise ValueError at construction, before anything
 reaches the scheduler: the engine decodes the same class from the wire, so a request it receives
 has passed the same checks. Integers must fit in 64 signed bits (what msgpack and torch carry) and
-strings must be valid Unicode text.
+strings must be valid Unicode text. kv_transfer_params (prefill/decode disaggregation) is a JSON
+object the KV connector reads; vLLM carries it in SamplingParams.extra_args["kv_transfer_params"],
+minicore has no extra_args and gives it a field of its own.
 """
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -31,6 +34,30 @@ def check_text(name: str, text: str) -> None:
                          f"{e.start}") from None
 
 
+def _check_json(name: str, value, depth: int = 0) -> None:
+    """A JSON value (what the OpenAI layer parsed, and what msgpack carries to the engine)."""
+    if depth > 32:
+        raise ValueError(f"{name} is nested too deeply")
+    if value is None or isinstance(value, (bool, str)):
+        return
+    if isinstance(value, int):
+        if not INT64_MIN <= value <= INT64_MAX:
+            raise ValueError(f"{name} holds an integer that does not fit in 64 bits")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{name} holds a non-finite number")
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _check_json(name, item, depth + 1)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ValueError(f"{name} keys must be strings, got {key!r}")
+            _check_json(name, item, depth + 1)
+    else:
+        raise ValueError(f"{name} holds a {type(value).__name__}, which is not a JSON value")
+
+
 def _check_number(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
@@ -51,6 +78,10 @@ class SamplingParams:
     min_tokens: int = 0
     # Stop strings, matched on the detokenized text; the text is cut before the match.
     stop: list[str] = field(default_factory=list)
+    # The KV connector's parameters for this request (vLLM: extra_args["kv_transfer_params"]):
+    # {"do_remote_decode": true} asks a prefill instance to keep the blocks for a decode instance;
+    # the params a prefill instance returned tell a decode instance where to read them.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self):
         if self.max_tokens is not None:
@@ -83,6 +114,11 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.kv_transfer_params is not None:
+            if not isinstance(self.kv_transfer_params, dict):
+                raise ValueError(f"kv_transfer_params must be a JSON object or null, got "
+                                 f"{type(self.kv_transfer_params).__name__}")
+            _check_json("kv_transfer_params", self.kv_transfer_params)
 
     @property
     def greedy(self) -> bool:

@@ -69,6 +69,8 @@ class RequestState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
+        # The KV connector's params from the engine's final output (disaggregated prefill).
+        self.kv_transfer_params: dict | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
@@ -87,6 +89,7 @@ class RequestState:
         self.num_cached_tokens = output.num_cached_tokens
         if output.finished:
             self.finish_reason, self.stop_reason = str(output.finish_reason), output.stop_reason
+            self.kv_transfer_params = output.kv_transfer_params
         stop = self.detokenizer.update(output.new_token_ids)
         if stop is None:
             return False
@@ -106,7 +109,7 @@ class RequestState:
         completion = CompletionOutput(0, self.streamable_text(), list(self.token_ids),
                                       self.finish_reason, self.stop_reason)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
-                             self.finished, self.num_cached_tokens)
+                             self.finished, self.num_cached_tokens, self.kv_transfer_params)
 
 
 @dataclass(slots=True)
