@@ -95,14 +95,20 @@ EXTRA_COLUMNS = [("ttft_median_ms", "TTFT p50", ".0f"), ("ttft_p99_ms", "TTFT p9
 
 
 def print_header(args, decode_step_s: float | None) -> str:
-    kind = "REAL SmolLM2-135M on CPU" if args.real else "SIMULATED runner (lockstep)"
+    kind = ("REAL SmolLM2-135M on CPU" if args.real
+            else "REAL Qwen3-MoE bench model, expert parallel, on CPU" if args.moe
+            else "SIMULATED runner (lockstep)")
     print(f"balance study: DP={args.dp}, {kind}; {args.num_prompts} requests of "
           f"{args.input_len} in / {args.output_len} out (range ratio {args.output_range_ratio}); "
           f"max_num_seqs {args.max_num_seqs}/rank, max_num_batched_tokens "
           f"{args.max_num_batched_tokens}; client {args.client}"
           + (f" (concurrency {args.concurrency})" if args.client == "closed" else ""))
+    if args.moe:
+        print("workload: make_random_workload (the simulator's draw): input AND output lengths "
+              f"uniform in len * [1 - {args.output_range_ratio}, 1 + {args.output_range_ratio}]")
     if decode_step_s is not None:
-        print(f"cost: step {args.step_ms} ms + {args.decode_seq_ms} ms/decoding seq + "
+        print(("fitted cost model (step clustering and the simulator): " if args.moe else "")
+              + f"cost: step {args.step_ms} ms + {args.decode_seq_ms} ms/decoding seq + "
               f"{args.prefill_token_us} us/prefill token -> decode step of {args.max_num_seqs} = "
               f"{decode_step_s * 1000:.1f} ms, one {args.input_len}-token prefill = "
               f"{args.input_len * args.prefill_token_us / 1000:.1f} ms", flush=True)
@@ -124,3 +130,31 @@ def print_results(kind: str, args, results: list[dict], count_sync: str, lockste
     print(f"\ntotal wall time {total_s:.0f} s; load average at the end "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; requests per engine: "
           + "; ".join(f"{r['variant']} {r['requests_per_engine']}" for r in results))
+
+
+def simulate_same(args) -> dict:
+    """`python -m minicore simulate` with the study's settings and cost model (the same workload
+    draw, seed 0): prints its table and the command, returns its results."""
+    import argparse
+
+    from minicore.dp.sim_report import add_simulate_args, run_variant, print_table
+
+    flags = (f"--data-parallel-size {args.dp} --max-num-seqs {args.max_num_seqs} "
+             f"--max-num-batched-tokens {args.max_num_batched_tokens} --num-prompts "
+             f"{args.num_prompts} --random-input-len {args.input_len} --random-output-len "
+             f"{args.output_len} --random-range-ratio {args.output_range_ratio} "
+             f"--max-concurrency {args.concurrency} --step-ms {args.step_ms} --decode-seq-ms "
+             f"{args.decode_seq_ms} --prefill-token-us {args.prefill_token_us}")
+    parser = argparse.ArgumentParser()
+    add_simulate_args(parser)
+    sim_args = parser.parse_args(flags.split())
+    print(f"\nthe simulator's prediction: python -m minicore simulate {flags}")
+    results = {"baseline": run_variant(sim_args, None)}
+    for threshold in ("full", "one-short"):
+        results[threshold] = run_variant(sim_args, threshold)
+    print_table(results)
+    print(f"{'':<22}{'TTFT p99':>11}{'TPOT p50':>11}{'prefill steps':>15}")
+    for name, r in results.items():
+        print(f"{name + ' (simulated)':<22}{r['p99_ttft_ms']:>11.0f}{r['median_tpot_ms']:>11.2f}"
+              f"{r['simulation']['prefill_steps']:>15}")
+    return {"flags": flags, "results": results}

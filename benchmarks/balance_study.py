@@ -18,11 +18,18 @@ negligible. The balance variants use the cheaper one unless --count-sync says wh
       slowest rank's time), variants baseline / balance "full" (gate while a rank runs
       max_num_seqs) / balance "one-short" (gate at max_num_seqs - 1).
   --real: DP=2 with the real default model (SmolLM2-135M) on CPU, the same three variants.
+  --moe: DP=2 (--dp 4 too) expert-parallel, with benchmarks/moe_bench_model.py's random Qwen3-MoE
+      model on CPU (every forward meets the other ranks in every MoE layer: a real lockstep), the
+      same variants; its workload is the simulator's draw (make_random_workload: input and output
+      lengths both spread by --output-range-ratio, as vllm bench's --random-range-ratio), and
+      after the variants `python -m minicore simulate` runs the same settings with the cost model
+      fitted by benchmarks/moe_cost_fit.py, its table printed below the measured one.
 
     python benchmarks/balance_study.py            # simulated, ~3 min on 2 cores
     python benchmarks/balance_study.py --quick    # simulated, smaller (~1.5 min)
     python benchmarks/balance_study.py --output-range-ratio 0.25   # desynchronised ranks
     python benchmarks/balance_study.py --real     # real model, DP=2
+    python benchmarks/balance_study.py --moe --output-range-ratio 0.25   # EP MoE model, DP=2
 
 The tables are printed by benchmarks/balance_report.py; the collectives are timed by
 benchmarks/dp_collective_cost.py.
@@ -44,11 +51,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from balance_report import (PUBLISHED_RESULT, print_header, print_results, step_counts,
-                            summarize)
+from balance_report import (PUBLISHED_RESULT, print_header, print_results, simulate_same,
+                            step_counts, summarize)
 from dp_collective_cost import COLLECTIVES, collective_cost_ms, format_cost, free_port_pair
 
 from minicore.config import SimulatedCost, create_engine_config
+from minicore.dp.simulator import make_random_workload
 from minicore.engine.async_llm import AsyncLLM
 from minicore.sampling_params import SamplingParams
 
@@ -182,7 +190,7 @@ async def run_variant(name: str, engine_args: dict, work, args, max_num_seqs: in
         client.output_processor.on_new_tokens = None
         for rid, record in records.items():
             record.engine = engine_of.get(rid, -1)
-        result = summarize(records, len(work[0][0]), start, end)
+        result = summarize(records, statistics.mean(len(p) for p, _ in work), start, end)
         if decode_step_s is not None:
             result.update(step_counts(records, token_times, decode_step_s))
         result.update(sampler.summary(max_num_seqs))
@@ -217,9 +225,33 @@ def real_setup(args) -> tuple[list, dict, None]:
     return VARIANTS, engine_args, None
 
 
+def moe_setup(args) -> tuple[list, dict, float]:
+    """Expert-parallel engines on the benchmark MoE model; decode_step_s (for the step counts'
+    clustering) from the fitted cost model."""
+    from moe_bench_model import bench_model_dir
+
+    model = args.model or str(bench_model_dir())
+    engine_args = {**common_engine_args(args), "model": model, "enable_expert_parallel": True}
+    engine_args["max_model_len"] += args.input_len  # inputs spread too
+    decode_step_s = (args.step_ms + args.decode_seq_ms * args.max_num_seqs) / 1000
+    return VARIANTS, engine_args, decode_step_s
+
+
+# Fitted to the benchmark MoE model, DP=2 expert parallel, on this machine by
+# benchmarks/moe_cost_fit.py (docs/BALANCE_STUDY.md, "Expert-parallel MoE model, DP=2").
+# 2026-11-23, load 0.1 -> 1.0: decode steps 41.5 / 52.2 / 54.1 / 61.7 ms at 1 / 2 / 4 / 8 a rank,
+# TTFT slope 462 us per prompt token.
+MOE_COST = {"step_ms": 43.2, "decode_seq_ms": 2.44, "prefill_token_us": 462.0}
+SIM_COST = {"step_ms": 30.0, "decode_seq_ms": 0.625, "prefill_token_us": 180.0}
+
+
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--real", action="store_true", help="DP=2 with the real model on CPU")
+    ap.add_argument("--moe", action="store_true",
+                    help="expert parallel with the benchmark MoE model on CPU (DP=2 unless --dp)")
+    ap.add_argument("--model", default=None,
+                    help="--moe: this MoE model directory instead of the benchmark model")
     ap.add_argument("--quick", action="store_true", help="smaller simulated run")
     ap.add_argument("--client", choices=["closed", "burst"], default="closed")
     ap.add_argument("--concurrency", type=int, default=None,
@@ -236,10 +268,11 @@ def parse_args():
     ap.add_argument("--output-len", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
-    ap.add_argument("--step-ms", type=float, default=30.0, help="simulated: fixed cost per step")
-    ap.add_argument("--decode-seq-ms", type=float, default=0.625,
+    ap.add_argument("--step-ms", type=float, default=None,
+                    help="simulated: fixed cost per step (--moe: the fitted cost model's)")
+    ap.add_argument("--decode-seq-ms", type=float, default=None,
                     help="simulated: cost per decoding request in a step")
-    ap.add_argument("--prefill-token-us", type=float, default=180.0,
+    ap.add_argument("--prefill-token-us", type=float, default=None,
                     help="simulated: cost per prefill token")
     ap.add_argument("--count-sync", choices=["cheaper", *COLLECTIVES], default="cheaper",
                     help="the balance variants' --balance-count-sync (default: whichever the "
@@ -248,21 +281,26 @@ def parse_args():
     ap.add_argument("--dump-records", action="store_true",
                     help="keep every request's times in the JSON")
     args = ap.parse_args()
+    if args.real and args.moe:
+        ap.error("--real and --moe are two different studies")
     if args.real:
         defaults = {"dp": 2, "num_prompts": 48, "input_len": 128, "output_len": 32,
                     "max_num_seqs": 8, "max_num_batched_tokens": 512}
+    elif args.moe:
+        defaults = {"dp": 2, "num_prompts": 96, "input_len": 128, "output_len": 64,
+                    "max_num_seqs": 8, "max_num_batched_tokens": 512, **MOE_COST}
     else:
         defaults = {"dp": 4, "num_prompts": 128 if args.quick else 256, "input_len": 448,
                     "output_len": 96 if args.quick else 192, "max_num_seqs": 16,
                     "max_num_batched_tokens": 2048}
-    for k, v in defaults.items():
+    for k, v in {**SIM_COST, **defaults}.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     if args.concurrency is None:
         args.concurrency = args.dp * args.max_num_seqs
     if args.json is None:
-        args.json = str(RESULTS_DIR / ("balance_study_real.json" if args.real
-                                       else "balance_study_sim.json"))
+        name = "real" if args.real else f"moe_dp{args.dp}" if args.moe else "sim"
+        args.json = str(RESULTS_DIR / f"balance_study_{name}.json")
     return args
 
 
@@ -298,18 +336,26 @@ async def run_variants(args, variants, engine_args: dict, work, count_sync: str,
 
 
 async def main_async(args) -> None:
-    variants, engine_args, decode_step_s = (real_setup if args.real else simulated_setup)(args)
+    setup = real_setup if args.real else moe_setup if args.moe else simulated_setup
+    variants, engine_args, decode_step_s = setup(args)
     if args.variants:
         variants = [v for v in variants if v[0] in args.variants]
-    # Vocabulary of SmolLM2, which both runners read.
-    work = make_workload(args.num_prompts, args.input_len, args.output_len, 49152,
-                         args.output_range_ratio)
+    if args.moe:
+        # The simulator's own draw (its default vocabulary, ids < SmolLM2's 49152), so that
+        # `minicore simulate` with the same settings sees the same requests.
+        work = [(r.prompt_token_ids, r.output_len) for r in make_random_workload(
+            args.num_prompts, args.input_len, args.output_len, args.output_range_ratio)]
+    else:
+        # Vocabulary of SmolLM2, which both runners read.
+        work = make_workload(args.num_prompts, args.input_len, args.output_len, 49152,
+                             args.output_range_ratio)
     kind = print_header(args, decode_step_s)
     t0 = time.monotonic()
     count_sync, sync_cost = await choose_count_sync(args)
     results = await run_variants(args, variants, engine_args, work, count_sync, decode_step_s)
     total_s = time.monotonic() - t0
     print_results(kind, args, results, count_sync, decode_step_s is not None, total_s)
+    simulated = simulate_same(args) if args.moe else None
     payload = {
         "benchmark": "balance_study", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "python": platform.python_version(), "platform": platform.platform(),
@@ -318,7 +364,7 @@ async def main_async(args) -> None:
                                             for k, v in engine_args.items()},
         "count_sync_cost": sync_cost, "balance_count_sync": count_sync,
         "results": {r["variant"]: r for r in results}, "published_result": PUBLISHED_RESULT,
-        "total_wall_s": total_s,
+        "total_wall_s": total_s, "simulated_same_settings": simulated,
     }
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
