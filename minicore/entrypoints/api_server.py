@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP server behind `python -m minicore serve`: FastAPI on uvicorn, uvloop.
 
 Mirrors vllm/entrypoints/openai/api_server.py (the routes, the API-key middleware, the exception
-handlers that turn every failure into an OpenAI error body, with_cancellation for non-streamed
-requests, build_app, run_server) and vllm/entrypoints/launcher.py (serve_http: uvicorn on our own
-event loop; on SIGTERM stop accepting, abort the requests in flight, stop the engine). The
+handlers that turn every failure into an OpenAI error body, build_app, run_server; with_cancellation
+and the response helpers are in utils.py) and vllm/entrypoints/launcher.py (serve_http: uvicorn on
+our own event loop; on SIGTERM stop accepting, abort the requests in flight, stop the engine). The
 endpoints' logic is in serving.py. Left out: the other OpenAI endpoints (embeddings, audio,
 responses), CORS and SSL options, multiple API servers, and /load, /sleep and the dev endpoints.
 """
@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager, suppress
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -32,10 +32,11 @@ from minicore.entrypoints.openai_protocol import (
     OpenAIError,
     TokenizeRequest,
     make_error,
-    to_json,
     validation_error,
 )
 from minicore.entrypoints.serving import OpenAIServing
+from minicore.entrypoints.serving_tokenization import detokenize, tokenize
+from minicore.entrypoints.utils import SSEResponse, error_response, json_response, with_cancellation
 
 logger = logging.getLogger(__name__)
 
@@ -43,27 +44,6 @@ STATS_LOG_INTERVAL_S = 10.0
 # uvicorn's backstop: connections still open this long after SIGTERM are cancelled. Aborted
 # requests end their streams at once, so it only matters if something hangs.
 GRACEFUL_SHUTDOWN_S = 3
-
-
-def json_response(record, status: int = 200) -> Response:
-    return Response(to_json(record), status_code=status, media_type="application/json")
-
-
-def error_response(e: OpenAIError) -> Response:
-    return json_response(e.to_response(), e.status)
-
-
-class SSEResponse(StreamingResponse):
-    """Server-sent events that always close their generator, even when the client left while
-    the generator was waiting to hand over a chunk, so the engine request is aborted at once
-    rather than when the garbage collector gets to it."""
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
 
 
 class AuthenticationMiddleware:
@@ -82,28 +62,6 @@ class AuthenticationMiddleware:
                 response = error_response(OpenAIError("Incorrect API key provided.", 401))
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)
-
-
-async def _until_disconnected(raw_request: Request) -> None:
-    # The body has been read, so the next message is the disconnect.
-    while (await raw_request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def with_cancellation(coro, raw_request: Request):
-    """Run a handler, cancelling it if the client goes away first (then the engine request is
-    aborted): a non-streamed response has no send to fail on, so nothing else would notice."""
-    handler = asyncio.ensure_future(coro)
-    watcher = asyncio.ensure_future(_until_disconnected(raw_request))
-    try:
-        await asyncio.wait((handler, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not handler.done():
-            handler.cancel()
-    if not handler.done() or handler.cancelled():
-        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-    return handler.result()
 
 
 def build_app(client: AsyncLLM, serving: OpenAIServing, metrics: ServerMetrics,
@@ -176,12 +134,12 @@ def _add_routes(app: FastAPI, client: AsyncLLM, serving: OpenAIServing,
         return json_response(serving.show_models())
 
     @app.post("/tokenize")
-    async def tokenize(request: TokenizeRequest):
-        return json_response(serving.tokenize(request))
+    async def tokenize_route(request: TokenizeRequest):
+        return json_response(tokenize(serving, request))
 
     @app.post("/detokenize")
-    async def detokenize(request: DetokenizeRequest):
-        return json_response(serving.detokenize(request))
+    async def detokenize_route(request: DetokenizeRequest):
+        return json_response(detokenize(serving, request))
 
     async def run(handler, raw_request: Request, stream: bool):
         # A stream returns at once (SSEResponse notices a disconnect); a whole response needs

@@ -4,6 +4,9 @@ Mirrors vllm/entrypoints/openai/protocol.py. Requests are pydantic models, as in
 reports type errors with the field's path; their sampling fields become a SamplingParams, whose
 checks are the one source of truth for value ranges. Responses are msgspec Structs: a streamed
 token costs one small JSON encode, and msgspec does that several times faster than pydantic.
+kv_transfer_params (prefill/decode disaggregation) is a vLLM extension: taken in both request bodies,
+and returned at the top level of whole responses ("kv_transfer_params": null when there are none,
+as vLLM's model_dump shows it) but not on stream chunks, which in vLLM have no such field either.
 Left out: logprobs, echo, suffix, penalties, logit_bias, tools and response formats (asking for
 any of them is a 400, not a silent no-op), multimodal content, and beam search.
 """
@@ -135,6 +138,8 @@ class SamplingRequest(OpenAIBaseModel):
     stream_options: StreamOptions | None = None
     priority: int = 0
     user: str | None = None
+    # vLLM's extension for disaggregated prefill: the KV connector's params (a JSON object).
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -152,7 +157,7 @@ class SamplingRequest(OpenAIBaseModel):
                 top_k=self.top_k or 0, seed=self.seed,
                 stop=[] if self.stop is None else self.stop,
                 stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
-                min_tokens=self.min_tokens)
+                min_tokens=self.min_tokens, kv_transfer_params=self.kv_transfer_params)
         except ValueError as e:
             # SamplingParams' messages start with the parameter's name.
             name = str(e).split(" ", 1)[0]
@@ -247,6 +252,8 @@ class CompletionResponse(msgspec.Struct, kw_only=True):
     choices: list[CompletionResponseChoice]
     # UNSET is left out of the JSON: stream chunks carry usage only when asked to.
     usage: UsageInfo | msgspec.UnsetType = msgspec.UNSET
+    # A whole response always has it (null without a KV connector); stream chunks never do.
+    kv_transfer_params: dict[str, Any] | None | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatMessage(msgspec.Struct):
@@ -269,6 +276,7 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaMessage(msgspec.Struct, omit_defaults=True):

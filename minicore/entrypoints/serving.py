@@ -1,8 +1,8 @@
 """The OpenAI endpoints' logic: requests in, engine requests out, whole or streamed responses back.
 
 Mirrors vllm/entrypoints/openai/serving_engine.py (model check, input validation, error
-responses), serving_completion.py, serving_chat.py and serving_tokenization.py, on top of
-AsyncLLM: its InputProcessor builds (and checks) every engine request, and AsyncLLM.generate runs
+responses), serving_completion.py and serving_chat.py (/tokenize: serving_tokenization.py), on top
+of AsyncLLM: its InputProcessor builds (and checks) every engine request, and AsyncLLM.generate runs
 each. Everything a request could be refused for is checked before the first engine request is
 sent, so a refused request leaves nothing behind, and a streamed one never turns into an error
 after its 200. Each choice (n per prompt, for every prompt of a completion request)
@@ -37,14 +37,10 @@ from minicore.entrypoints.openai_protocol import (
     CompletionResponse,
     CompletionResponseChoice,
     DeltaMessage,
-    DetokenizeRequest,
-    DetokenizeResponse,
     ModelCard,
     ModelList,
     OpenAIError,
     SamplingRequest,
-    TokenizeRequest,
-    TokenizeResponse,
     UsageInfo,
     check_text_param,
     make_error,
@@ -75,6 +71,8 @@ class Choice:
     num_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # The KV connector's params from the engine's final output (disaggregated prefill).
+    kv_transfer_params: dict | None = None
 
 
 class OpenAIServing:
@@ -154,7 +152,7 @@ class OpenAIServing:
 
     # ----------------------------------------------------------------------------- prompts
 
-    def _apply_chat_template(self, messages, add_generation_prompt: bool) -> str:
+    def apply_chat_template(self, messages, add_generation_prompt: bool) -> str:
         if not messages:
             raise OpenAIError("messages must not be empty", 400, "messages")
         conversation = [m.to_template_dict() for m in messages]
@@ -177,6 +175,11 @@ class OpenAIServing:
         """Check the X-data-parallel-rank header and build every prompt's engine request, then
         make n choices per prompt. Nothing reaches the engine until the choices are iterated."""
         rank = self._data_parallel_rank(rank_header)
+        if params.kv_transfer_params is not None and (len(prompts) > 1 or request.n > 1):
+            # A response returns one set of params: those of a second engine request (blocks a
+            # prefill instance would hold for nobody) would be lost.
+            raise OpenAIError("kv_transfer_params needs a single prompt and n=1", 400,
+                              "kv_transfer_params")
         engine_requests = [self._process_inputs(f"{response_id}-p{i}", prompt, params, request,
                                                 rank, param)
                            for i, prompt in enumerate(prompts)]
@@ -206,6 +209,7 @@ class OpenAIServing:
         choice.num_tokens = len(completion.token_ids)
         if output.finished:
             choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason
+            choice.kv_transfer_params = output.kv_transfer_params
         return delta
 
     async def _iterate(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, str]]:
@@ -306,7 +310,7 @@ class OpenAIServing:
             id=response_id, created=int(time.time()), model=model,
             choices=[CompletionResponseChoice(c.index, c.text, c.finish_reason, c.stop_reason)
                      for c in choices],
-            usage=self._usage(choices))
+            usage=self._usage(choices), kv_transfer_params=choices[0].kv_transfer_params)
 
     async def _completion_stream(self, request: CompletionRequest, response_id: str, model: str,
                                  choices: list[Choice]) -> AsyncIterator[bytes]:
@@ -333,7 +337,7 @@ class OpenAIServing:
                                      rank_header: str | None = None):
         """A ChatCompletionResponse, or for stream=True an async iterator of SSE bytes."""
         self._check_request(request)
-        text = self._apply_chat_template(request.messages, request.add_generation_prompt)
+        text = self.apply_chat_template(request.messages, request.add_generation_prompt)
         params = request.to_sampling_params(request.requested_max_tokens)
         response_id = f"chatcmpl-{random_uuid()}"
         choices = self._make_choices(response_id, [text], params, request, "messages",
@@ -347,7 +351,7 @@ class OpenAIServing:
             choices=[ChatCompletionResponseChoice(c.index, ChatMessage("assistant", c.text),
                                                   c.finish_reason, c.stop_reason)
                      for c in choices],
-            usage=self._usage(choices))
+            usage=self._usage(choices), kv_transfer_params=choices[0].kv_transfer_params)
 
     async def _chat_stream(self, request: ChatCompletionRequest, response_id: str, model: str,
                            choices: list[Choice]) -> AsyncIterator[bytes]:
@@ -380,19 +384,3 @@ class OpenAIServing:
         return ModelList([ModelCard(id=name, created=self.created, root=str(root),
                                     max_model_len=self.max_model_len)
                           for name in self.model_names])
-
-    def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
-        self.check_model(request.model)
-        if (request.prompt is None) == (request.messages is None):
-            raise OpenAIError("give either a prompt or messages", 400, "prompt")
-        text = (request.prompt if request.messages is None
-                else self._apply_chat_template(request.messages, request.add_generation_prompt))
-        check_text_param("prompt" if request.messages is None else "messages", text)
-        tokens = self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
-        return TokenizeResponse(len(tokens), self.max_model_len, tokens)
-
-    def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
-        self.check_model(request.model)
-        if any(not 0 <= t < self.vocab_size for t in request.tokens):
-            raise OpenAIError(f"token ids must be in [0, {self.vocab_size})", 400, "tokens")
-        return DetokenizeResponse(self.tokenizer.decode(request.tokens))
