@@ -1,4 +1,4 @@
-"""python -m minicore {generate,serve,simulate}: the command line.
+"""python -m minicore {generate,serve,simulate,proxy}: the command line.
 
 Mirrors vllm/entrypoints/cli/ in spirit: one subcommand per entry point, flags with vLLM's names.
 """
@@ -64,6 +64,23 @@ def _serve(args: argparse.Namespace) -> None:
         sys.exit("minicore: stopped before the server started")
 
 
+def _add_proxy_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                        help="prefill instances' base URLs (http://host:port), round-robin")
+    parser.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                        help="decode instances' base URLs (http://host:port), round-robin")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def _proxy(args: argparse.Namespace) -> None:
+    from minicore.entrypoints.proxy import proxy_main
+
+    proxy_main(args)
+
+
 def _generate(args: argparse.Namespace) -> None:
     from minicore.llm import LLM
     from minicore.sampling_params import SamplingParams
@@ -97,13 +114,17 @@ def make_parser() -> argparse.ArgumentParser:
     add_simulate_args(sub.add_parser(
         "simulate", help="SIMULATED data-parallel ranks in lockstep on the real schedulers: "
                          "the balance gate against the baseline"))
+    _add_proxy_args(sub.add_parser(
+        "proxy", help="one endpoint for disaggregated prefill: prefill instances, then decode "
+                      "instances (vLLM's toy proxy)"))
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     args = make_parser().parse_args(argv)
     try:
-        {"generate": _generate, "serve": _serve, "simulate": simulate_main}[args.command](args)
+        {"generate": _generate, "serve": _serve, "simulate": simulate_main,
+         "proxy": _proxy}[args.command](args)
     except ValueError as e:
         sys.exit(f"error: {e}")
 
