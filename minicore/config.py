@@ -21,6 +21,8 @@ from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
 from types import NoneType, UnionType
 from typing import Any, Literal, get_args, get_origin
 
+from minicore.kv_transfer.config import KVTransferConfig
+
 SchedulingPolicy = Literal["fcfs", "priority"]
 BalanceThreshold = Literal["full", "one-short"]
 BalanceCountSync = Literal["all-gather", "all-reduce-max"]
@@ -103,6 +105,13 @@ class CacheConfig:
     gpu_memory_utilization: float = _flag(
         0.9, "the fraction of the GPU's memory the engine may use on CUDA; the KV cache gets what "
              "the profiling forward leaves over")
+    # vLLM keeps it in VllmConfig; here in the cache's config, whose blocks it moves, so that
+    # the flag is generated with the others (EngineConfig.kv_transfer_config reads it).
+    kv_transfer_config: KVTransferConfig | None = _flag(
+        None, "run a KV connector for prefill/decode disaggregation, as vLLM's flag: "
+              '\'{"kv_connector": "NixlConnector", "kv_role": "kv_both"}\' (kv_role: kv_producer, '
+              "kv_consumer or kv_both; kv_connector_extra_config: side_channel_host, "
+              "side_channel_port, abort_request_timeout)")
 
     def __post_init__(self):
         if self.kv_cache_memory < 1:
@@ -218,6 +227,10 @@ class EngineConfig:
         if self.parallel_config.enable_expert_parallel and self.model_config.runner == "simulated":
             raise ValueError("the simulated runner has no experts to shard: "
                              "--enable-expert-parallel needs --runner transformers")
+
+    @property
+    def kv_transfer_config(self) -> KVTransferConfig | None:
+        return self.cache_config.kv_transfer_config
 
 
 # EngineConfig's sub-configs, with the titles of their flags' --help groups.

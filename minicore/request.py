@@ -1,7 +1,7 @@
 """Request: one generation request as the scheduler sees it.
 
 Mirrors vllm/v1/request.py (Request, RequestStatus) and FinishReason from vllm/v1/engine/__init__.py.
-Left out: multimodal inputs, LoRA, structured output, speculative tokens, KV-transfer states.
+Left out: multimodal inputs, LoRA, structured output, speculative tokens.
 """
 
 import enum
@@ -27,6 +27,9 @@ class FinishReason(enum.IntEnum):
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    # Parked with its blocks allocated while a KV connector loads its prompt's KV from another
+    # instance (prefill/decode disaggregation); back to WAITING once it has arrived.
+    WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after PREEMPTED is finished.
@@ -58,7 +61,7 @@ class Request:
                  "arrival_time", "priority", "cache_salt", "status", "stop_reason",
                  "all_token_ids", "output_token_ids", "num_prompt_tokens", "num_tokens",
                  "num_computed_tokens",
-                 "num_cached_tokens", "num_preemptions", "block_hashes")
+                 "num_cached_tokens", "num_preemptions", "block_hashes", "kv_transfer_params")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_id: int | None = None,
@@ -86,6 +89,10 @@ class Request:
         self.num_preemptions = 0
         # Chain hashes of this request's full blocks, filled in by the KV cache manager.
         self.block_hashes: list[bytes] = []
+        # The KV connector's per-request state, which it updates (vLLM: Request.kv_transfer_params);
+        # a copy, so that requests sharing one SamplingParams do not share it.
+        params = sampling_params.kv_transfer_params
+        self.kv_transfer_params = None if params is None else dict(params)
 
     @classmethod
     def from_engine_core_request(cls, request: "EngineCoreRequest") -> "Request":

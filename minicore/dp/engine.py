@@ -147,7 +147,8 @@ class DPEngineCoreProc(EngineCoreProc):
             if self.shutdown_requested:
                 return
             executed = await self._process_engine_step()
-            local_unfinished_reqs = self.scheduler.has_unfinished_requests()
+            # Blocks held for a KV connector's peer keep the wave going, as requests do.
+            local_unfinished_reqs = self.scheduler.has_requests()
             if not executed:
                 # A step that ran sent its stats; one skipped may leave inputs' changes unsent.
                 self._publish_stats_if_changed()
@@ -169,7 +170,7 @@ class DPEngineCoreProc(EngineCoreProc):
 
     async def _process_input_queue(self) -> None:
         """Wait while every rank is idle; then take all pending inputs."""
-        while not self.engines_running and not self.scheduler.has_unfinished_requests():
+        while not self.engines_running and not self.scheduler.has_requests():
             if self.shutdown_requested:
                 return
             self._publish_stats_if_changed()

@@ -1,19 +1,29 @@
 """EngineCore: the scheduler and the model runner, driven one step at a time.
 
 Mirrors EngineCore in vllm/v1/engine/core.py: add_request, abort_requests, and step(),
-which schedules, runs the model and updates the scheduler with what it sampled. Left out: the batch
-queue for pipeline parallelism, the executor layer (one in-process runner), KV connectors,
-structured output, sleep mode and LoRA utilities.
+which schedules, runs the model and updates the scheduler with what it sampled. With a
+kv_transfer_config it builds the KV connector twice (vLLM: the scheduler's in Scheduler.__init__,
+the worker's in the model runner): the scheduler-side one goes to the Scheduler, the worker-side
+one gets the runner's KV cache and runs around each forward (minicore/kv_transfer/worker.py).
+It then keeps stepping while the scheduler holds blocks for a peer or waits for remote KV, even
+with nothing to compute (Scheduler.has_requests). Left out: the batch queue for pipeline
+parallelism, the executor layer (one in-process runner), structured output, sleep mode and LoRA
+utilities.
 """
 
 import logging
+from collections.abc import Callable
+from functools import partial
 
 from minicore.config import EngineConfig
 from minicore.engine.input_processor import validate_prompt_token_ids
+from minicore.kv_transfer.base import KVConnectorBase_V1, KVConnectorRole
+from minicore.kv_transfer.worker import execute_model_with_kv_connector
 from minicore.model.runner_base import ModelRunnerInterface
+from minicore.outputs import ModelRunnerOutput
 from minicore.protocol import EngineCoreOutput
 from minicore.request import Request, RequestStatus
-from minicore.scheduler import BalanceScheduler, Scheduler
+from minicore.scheduler import BalanceScheduler, Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +38,27 @@ class EngineCore:
         # The one place num_blocks is set at run time: the runner has sized the KV cache.
         config.cache_config.num_blocks = self.model_runner.num_blocks
         _check_kv_cache_fits(config)
-        self.scheduler = make_scheduler(config)
+        self.kv_connector: KVConnectorBase_V1 | None = None
+        scheduler_connector = None
+        # The runner's forward, or, with a KV connector, the forward wrapped in the connector's
+        # worker-side calls: chosen once, so that an engine without one pays nothing per step.
+        self.execute_model: Callable[[SchedulerOutput], ModelRunnerOutput] = (
+            self.model_runner.execute_model)
+        if config.kv_transfer_config is not None:
+            scheduler_connector, self.kv_connector = self._make_kv_connectors(config)
+            self.execute_model = partial(execute_model_with_kv_connector, self.model_runner,
+                                         self.kv_connector)
+        self.scheduler = make_scheduler(config, scheduler_connector)
+
+    def _make_kv_connectors(self, config: EngineConfig):
+        """(scheduler side, worker side) of the configured KV connector; the worker side is
+        given the runner's KV cache (the simulated runner has none)."""
+        from minicore.kv_transfer.factory import KVConnectorFactory
+
+        worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER)
+        if (kv_caches := getattr(self.model_runner, "kv_caches", None)) is not None:
+            worker.register_kv_caches(kv_caches)
+        return KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER), worker
 
     def _make_model_runner(self, config: EngineConfig, model, tokenizer):
         if config.model_config.runner == "simulated":
@@ -60,10 +90,10 @@ class EngineCore:
 
     def step(self) -> tuple[list[EngineCoreOutput], bool]:
         """Schedule, execute and update once. Returns the outputs and whether the model ran."""
-        if not self.scheduler.has_unfinished_requests():
+        if not self.scheduler.has_requests():
             return [], False
         scheduler_output = self.scheduler.schedule()
-        model_output = self.model_runner.execute_model(scheduler_output)
+        model_output = self.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
@@ -73,12 +103,17 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
+    def shutdown(self) -> None:
+        for connector in (self.kv_connector, self.scheduler.connector):
+            if connector is not None:
+                connector.shutdown()
 
-def make_scheduler(config: EngineConfig) -> Scheduler:
+
+def make_scheduler(config: EngineConfig, connector: KVConnectorBase_V1 | None = None) -> Scheduler:
     if config.scheduler_config.balance_scheduling:
         return BalanceScheduler(config.scheduler_config, config.cache_config,
-                                config.parallel_config.data_parallel_size)
-    return Scheduler(config.scheduler_config, config.cache_config)
+                                config.parallel_config.data_parallel_size, connector)
+    return Scheduler(config.scheduler_config, config.cache_config, connector)
 
 
 def _check_kv_cache_fits(config: EngineConfig) -> None:

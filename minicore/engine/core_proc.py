@@ -8,9 +8,13 @@ per engine process: the socket IO and the busy loop are coroutines joined by asy
 only the model forward leaves the loop, for one dedicated worker thread, so sockets keep flowing
 while the model runs.
 
+With a KV connector, the loop also steps while the scheduler only holds blocks for a peer or waits
+for remote KV (Scheduler.has_requests): each such step polls the connector's transfers, and between
+them the loop waits for input at most KV_POLL_INTERVAL_S instead of indefinitely.
+
 Data parallelism (waves, collectives) is DPEngineCoreProc's, in minicore/dp/engine.py. Left out:
-several frontends per engine, the batch queue for pipeline parallelism, KV connectors, structured
-output, request preprocessing caches.
+several frontends per engine, the batch queue for pipeline parallelism, structured output, request
+preprocessing caches.
 """
 
 import asyncio
@@ -50,6 +54,9 @@ PARENT_CHECK_INTERVAL_S = 1.0
 _SHUTDOWN = "shutdown"
 _IO_FAILED = "io_failed"
 _UNDECODABLE_ADD = "undecodable_add"
+# With KV transfers in flight and nothing to compute, how long the loop waits for input before it
+# steps again to poll them (vLLM spins; a short wait spares a shared CPU).
+KV_POLL_INTERVAL_S = 0.005
 
 
 class EngineCoreProc(EngineCore):
@@ -158,6 +165,7 @@ class EngineCoreProc(EngineCore):
     def close(self, fatal: bool) -> None:
         """Close the sockets (the output socket lingers after a fatal error so that
         ENGINE_CORE_DEAD is delivered)."""
+        self.shutdown()
         self._input_socket.close(linger=0)
         self._output_socket.close(linger=4000 if fatal else 0)
         self.ctx.term()
@@ -239,12 +247,19 @@ class EngineCoreProc(EngineCore):
             must_wait = not await self._process_engine_step()
 
     async def _process_input_queue(self, must_wait: bool) -> None:
-        while must_wait or not self.scheduler.has_unfinished_requests():
+        while must_wait or not self.scheduler.has_requests():
             if self.shutdown_requested:
                 return
             # Inputs handled while idle (an abort, say) change the stats no step will send.
             self._publish_stats_if_changed()
-            self._handle_client_request(*await self.input_queue.get())
+            if self.scheduler.has_requests():
+                try:
+                    item = await asyncio.wait_for(self.input_queue.get(), KV_POLL_INTERVAL_S)
+                except TimeoutError:
+                    break
+            else:
+                item = await self.input_queue.get()
+            self._handle_client_request(*item)
             must_wait = False
         self._drain_input_queue()
 
@@ -254,10 +269,10 @@ class EngineCoreProc(EngineCore):
 
     async def _process_engine_step(self) -> bool:
         """EngineCore.step with the forward in the worker thread; True if the model ran."""
-        if not self.scheduler.has_unfinished_requests():
+        if not self.scheduler.has_requests():
             return False
         scheduler_output = self.scheduler.schedule()
-        model_output = await self._run_forward(self.model_runner.execute_model, scheduler_output)
+        model_output = await self._run_forward(self.execute_model, scheduler_output)
         # Inputs that arrived during the forward first: an abort then drops the request's output.
         self._drain_input_queue()
         self._send(self.scheduler.update_from_output(scheduler_output, model_output))

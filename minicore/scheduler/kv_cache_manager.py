@@ -2,7 +2,7 @@
 
 Mirrors vllm/v1/core/kv_cache_manager.py together with the single full-attention case of
 vllm/v1/core/single_type_kv_cache_manager.py. Left out: hybrid models (several KV cache groups),
-sliding windows, lookahead slots for speculative decoding, KV connectors and KV events.
+sliding windows, lookahead slots for speculative decoding and KV events.
 """
 
 from dataclasses import dataclass, field
@@ -18,6 +18,10 @@ class KVCacheBlocks:
 
     def get_block_ids(self) -> list[int]:
         return [block.block_id for block in self.blocks]
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        """The blocks not in the prefix cache: those a KV connector loads into."""
+        return [block.block_id for block in self.blocks if block.block_hash is None]
 
 
 _NO_BLOCKS = KVCacheBlocks()
@@ -45,6 +49,9 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        return KVCacheBlocks(list(self.req_to_blocks.get(request_id, ())))
 
     def _update_block_hashes(self, request: Request) -> list[bytes]:
         """Extend the request's chain hashes over every full block of known tokens."""
@@ -77,12 +84,15 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        num_new_computed_tokens: int = 0,
                        new_computed_blocks: list[KVCacheBlock] = (),
-                       full_sequence_must_fit: bool = False) -> KVCacheBlocks | None:
+                       full_sequence_must_fit: bool = False,
+                       delay_cache_blocks: bool = False) -> KVCacheBlocks | None:
         """Make room for num_new_tokens more tokens after the request's computed ones (plus the
         prefix hit being taken now). Returns the newly allocated blocks, or None, having changed
         nothing, when the pool cannot supply them. full_sequence_must_fit: None also unless the
         pool could hold the request's whole current sequence (vLLM's scheduler_reserve_full_isl
-        admission check: a chunked prefill is not admitted only to be preempted halfway)."""
+        admission check: a chunked prefill is not admitted only to be preempted halfway).
+        delay_cache_blocks: leave the new blocks out of the prefix cache: a KV connector has yet
+        to load them (cache_blocks once it has)."""
         req_id = request.request_id
         blocks = self.req_to_blocks.get(req_id)
         if blocks is None:
@@ -107,9 +117,18 @@ class KVCacheManager:
                 new_blocks = KVCacheBlocks(self.block_pool.get_new_blocks(num_new_blocks))
                 blocks.extend(new_blocks.blocks)
             self.req_to_blocks[req_id] = blocks
-        if self.enable_caching and num_tokens // self.block_size > self.num_cached_block.get(req_id, 0):
+        if (self.enable_caching and not delay_cache_blocks
+                and num_tokens // self.block_size > self.num_cached_block.get(req_id, 0)):
             self._cache_full_blocks(request, blocks, num_tokens)
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Cache the request's full blocks up to num_computed_tokens (blocks a KV connector has
+        just loaded, allocated with delay_cache_blocks)."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if (self.enable_caching and blocks is not None and num_computed_tokens // self.block_size
+                > self.num_cached_block.get(request.request_id, 0)):
+            self._cache_full_blocks(request, blocks, num_computed_tokens)
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         num_full = num_tokens // self.block_size

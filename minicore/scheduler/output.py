@@ -2,11 +2,12 @@
 
 Mirrors vllm/v1/core/sched/output.py. As in vLLM's v2 model runner, a request resumed after
 preemption is sent as new (with all its token ids), so the runner keeps no state across a
-preemption. Left out: speculative tokens, encoder inputs, KV-connector metadata.
+preemption. Left out: speculative tokens, encoder inputs.
 """
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from minicore.request import Request
 from minicore.sampling_params import SamplingParams
@@ -52,4 +53,7 @@ class SchedulerOutput:
     preempted_req_ids: set[str]
     # Finished (stopped or aborted) since the previous step: the runner drops their state.
     finished_req_ids: set[str]
+    # The KV connector's KVConnectorMetadata for its worker side (minicore/kv_transfer/base.py);
+    # None without a connector.
+    kv_connector_metadata: Any = None
 

@@ -11,10 +11,14 @@ benchmarks/vllm_differential.py; docs/FIDELITY.md gives the figures. Two deliber
 a priority-policy victim preempted after being scheduled in the same step leaves no never-computed
 block in the prefix cache (vLLM 0.32 leaves their hashes registered, so a later request can hit KV
 that was never written), and finish_requests frees in the order given (vLLM: set order).
-Left out: speculative decoding, encoders, LoRA, structured output, KV connectors, async scheduling.
+A KV connector (prefill/decode disaggregation), when the engine runs one, is given to the
+constructor; its half of the scheduler is the RemoteKVMixin in remote_kv.py. Without one, every
+connector branch here is a single `is None` test.
+Left out: speculative decoding, encoders, LoRA, structured output, async scheduling.
 """
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from minicore.config import CacheConfig, SchedulerConfig
 from minicore.outputs import ModelRunnerOutput
@@ -22,7 +26,11 @@ from minicore.protocol import EngineCoreOutput, SchedulerStats
 from minicore.request import Request, RequestStatus
 from minicore.scheduler.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from minicore.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from minicore.scheduler.remote_kv import WAITING_FOR_REMOTE_KVS, RemoteKVMixin
 from minicore.scheduler.request_queue import create_request_queue
+
+if TYPE_CHECKING:
+    from minicore.kv_transfer.base import KVConnectorBase_V1
 
 RUNNING = RequestStatus.RUNNING
 # Shared by every request that needs no new block this step (most decode steps): one allocation
@@ -43,8 +51,9 @@ class _StepState:
     preempted_reqs: list[Request] = field(default_factory=list)
 
 
-class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig):
+class Scheduler(RemoteKVMixin):
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 connector: "KVConnectorBase_V1 | None" = None):
         if cache_config.num_blocks is None:
             raise ValueError("cache_config.num_blocks must be set before building a Scheduler")
         self.scheduler_config = scheduler_config
@@ -61,6 +70,7 @@ class Scheduler:
         # Finished since the last schedule(); the next SchedulerOutput tells the runner.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self._init_remote_kv(connector)
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -82,33 +92,47 @@ class Scheduler:
         self._finish([(self.requests[i], finished_status)
                       for i in dict.fromkeys(request_ids) if i in self.requests])
 
-    def _finish(self, finished: list[tuple[Request, RequestStatus]]) -> None:
+    def _finish(self, finished: list[tuple[Request, RequestStatus]]) -> dict[str, dict[str, Any]]:
+        """Finish and free the requests; returns the KV connector's kv_transfer_params by
+        request id, for those it gave any."""
         running = {request for request, _ in finished if request.status == RUNNING}
         if running:
             self.running = [r for r in self.running if r not in running]
+        kv_transfer_params = {}
         for request, status in finished:
-            if request.status != RUNNING:
+            delay_free = False
+            if request.status == WAITING_FOR_REMOTE_KVS:
+                delay_free = self._leave_remote_kv_wait(request)
+            elif request.status != RUNNING:
                 self.waiting.remove_request(request)
             request.status = status
-            self.kv_cache_manager.free(request)
-            del self.requests[request.request_id]
+            if self.connector is not None:
+                connector_delay_free, params = self._connector_finished(request)
+                delay_free |= connector_delay_free
+                if params is not None:
+                    kv_transfer_params[request.request_id] = params
             self.finished_req_ids.add(request.request_id)
+            if not delay_free:
+                self._free_blocks(request)
+        return kv_transfer_params
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or bool(self.waiting)
+        return bool(self.running) or bool(self.waiting) or bool(self.waiting_for_remote_kvs)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting)
+        return sum(self.get_request_counts())
 
     def get_request_counts(self) -> tuple[int, int]:
-        return len(self.running), len(self.waiting)
+        """(running, waiting); requests parked for remote KV count as waiting, as in vLLM."""
+        return len(self.running), len(self.waiting) + len(self.waiting_for_remote_kvs)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def make_stats(self) -> SchedulerStats:
         stats = self.kv_cache_manager.prefix_cache_stats
-        return SchedulerStats(len(self.running), len(self.waiting), self.kv_cache_manager.usage,
+        num_running, num_waiting = self.get_request_counts()
+        return SchedulerStats(num_running, num_waiting, self.kv_cache_manager.usage,
                               stats.queries, stats.hits, self.num_preemptions)
 
     # ---- one step ------------------------------------------------------------------------------
@@ -138,6 +162,8 @@ class Scheduler:
         # A scheduled request's tokens count as computed at once, so that a long prompt's next
         # chunk can be scheduled before this step's output is back. The output records the counts
         # from before this step.
+        if self.finished_recving_kv_req_ids:
+            self._promote_received()
         threshold = self.scheduler_config.long_prefill_token_threshold
         step = _StepState(threshold if len(self.running) + len(self.waiting) > 1 else 0)
         token_budget = self._schedule_running(step, self.max_num_scheduled_tokens)
@@ -153,6 +179,8 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
         )
         self.finished_req_ids = set()
+        if self.connector is not None:
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
         return output
 
     def _schedule_running(self, step: _StepState, token_budget: int) -> int:
@@ -227,10 +255,23 @@ class Scheduler:
         threshold = step.long_prefill_threshold
         chunked = self.scheduler_config.enable_chunked_prefill
         full_sequence_must_fit = self.scheduler_config.scheduler_reserve_full_isl
-        waiting, running = self.waiting, self.running
+        waiting, running, connector = self.waiting, self.running, self.connector
         while waiting and token_budget > 0 and len(running) < self.max_num_running_reqs:
             request = waiting.peek_request()
-            computed_blocks, num_computed = kv.get_computed_blocks(request)
+            # Only a request whose KV a connector loaded comes back with computed tokens: its
+            # blocks are allocated and its prefix-cache query counted already.
+            if resumed_from_remote := request.num_computed_tokens > 0:
+                computed_blocks, num_computed = (), request.num_computed_tokens
+            else:
+                computed_blocks, num_computed = kv.get_computed_blocks(request)
+                if connector is not None:
+                    num_external, load_async = connector.get_num_new_matched_tokens(
+                        request, num_computed)
+                    if num_external > 0:
+                        if not self._park_for_remote_kvs(request, computed_blocks, num_computed,
+                                                         num_external, load_async):
+                            break
+                        continue
             num_new_tokens = request.num_tokens - num_computed
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
@@ -241,7 +282,10 @@ class Scheduler:
                                  full_sequence_must_fit) is None:
                 break
             waiting.pop_request()
-            kv.record_prefix_cache_query(request.num_tokens, num_computed)
+            if not resumed_from_remote:
+                kv.record_prefix_cache_query(request.num_tokens, num_computed)
+            if connector is not None:
+                connector.update_state_after_alloc(request, kv.get_blocks(request.request_id), 0)
             running.append(request)
             request.status = RUNNING
             if request.num_cached_tokens < 0:
@@ -283,6 +327,7 @@ class Scheduler:
         requests, check_stop = self.requests, self._check_stop
         outputs: list[EngineCoreOutput] = []
         finished: list[tuple[Request, RequestStatus]] = []
+        kv_connector_output = model_runner_output.kv_connector_output
         for req_id, index in model_runner_output.req_id_to_index.items():
             new_token_ids = sampled_token_ids[index]
             if not new_token_ids or (request := requests.get(req_id)) is None:
@@ -297,6 +342,9 @@ class Scheduler:
             outputs.append(EngineCoreOutput(
                 req_id, new_token_ids, RequestStatus.get_finished_reason(status) if status else None,
                 request.stop_reason, request.num_cached_tokens))
-        if finished:
-            self._finish(finished)
+        if finished and (kv_transfer_params := self._finish(finished)):
+            for output in outputs:
+                output.kv_transfer_params = kv_transfer_params.get(output.request_id)
+        if kv_connector_output is not None:
+            self._update_from_kv_xfer_finished(kv_connector_output)
         return outputs

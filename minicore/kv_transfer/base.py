@@ -1,0 +1,125 @@
+"""KVConnectorBase_V1: the interface between the engine and a KV connector, in its two roles.
+
+Mirrors vllm/distributed/kv_transfer/kv_connector/v1/base.py. One connector class serves both
+roles, as in vLLM: the engine builds it twice, once with KVConnectorRole.SCHEDULER (owned by the
+Scheduler, which calls only the scheduler-side methods) and once with KVConnectorRole.WORKER (next
+to the model runner, which calls only the worker-side methods). The two halves talk only through
+the KVConnectorMetadata the scheduler side builds each step (SchedulerOutput.kv_connector_metadata)
+and the KVConnectorOutput the worker side returns (ModelRunnerOutput.kv_connector_output).
+
+Scheduler side, per request:
+  get_num_new_matched_tokens  how many prompt tokens beyond the local prefix hit come from
+                              outside, and whether they arrive asynchronously (the request then
+                              waits in WAITING_FOR_REMOTE_KVS with its blocks allocated)
+  update_state_after_alloc    the blocks the scheduler allocated for them
+  build_connector_meta        once per step: what the worker side must start
+  request_finished            on finish: keep the blocks (delay_free) while a peer reads them, and
+                              the kv_transfer_params to return to the client
+Worker side, per step:
+  register_kv_caches          once, the paged KV cache tensors
+  start_load_kv               before the forward: start this step's reads
+  wait_for_save               after the forward (a connector that writes out KV waits here)
+  get_finished                requests whose sends / receives completed since the last call
+  get_block_ids_with_load_errors  blocks whose load failed (their requests recompute)
+Pure Python: minicore.scheduler may import this module. Left out: layer-wise loading and saving
+(wait_for_layer_load, save_kv_layer), the hybrid-allocator hooks, stats and KV events.
+"""
+
+import enum
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from minicore.config import EngineConfig
+    from minicore.request import Request
+    from minicore.scheduler.kv_cache_manager import KVCacheBlocks
+    from minicore.scheduler.output import SchedulerOutput
+
+
+class KVConnectorRole(enum.Enum):
+    SCHEDULER = 0
+    WORKER = 1
+
+
+class KVConnectorMetadata:  # noqa: B903 (a base class to subclass, as in vLLM)
+    """What the scheduler side tells the worker side in one step; each connector subclasses it."""
+
+
+class KVConnectorBase_V1(ABC):  # noqa: N801 (vLLM's name)
+    def __init__(self, config: "EngineConfig", role: KVConnectorRole):
+        self._config = config
+        self._role = role
+        self._connector_metadata: KVConnectorMetadata | None = None
+
+    @property
+    def role(self) -> KVConnectorRole:
+        return self._role
+
+    # ---- worker side ---------------------------------------------------------------------------
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        self._connector_metadata = connector_metadata
+
+    def clear_connector_metadata(self) -> None:
+        self._connector_metadata = None
+
+    def _get_connector_metadata(self) -> KVConnectorMetadata:
+        if self._connector_metadata is None:
+            raise RuntimeError("no connector metadata is bound: start_load_kv runs between "
+                               "bind_connector_metadata and clear_connector_metadata")
+        return self._connector_metadata
+
+    def register_kv_caches(self, kv_caches: list[Any]) -> None:
+        """The runner's paged KV cache, one tensor per layer (kv_cache_shape in
+        minicore/model/attention.py). vLLM passes a dict by layer name."""
+
+    @abstractmethod
+    def start_load_kv(self) -> None:
+        """Start loading the KV of this step's metadata into the local blocks; it may complete
+        after the call returns (get_finished reports it)."""
+
+    def wait_for_save(self) -> None:
+        """Block until this step's KV writes (if any) are done."""
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        """(finished_sending, finished_recving): request ids whose send (the peer has read the
+        held blocks, or they timed out) or receive completed since the last call.
+        finished_req_ids: the requests finished since the previous step."""
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Local block ids whose load failed since the last call; their requests recompute."""
+        return set()
+
+    def shutdown(self) -> None:
+        """Release the connector's threads, sockets and registrations."""
+
+    # ---- scheduler side ------------------------------------------------------------------------
+
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        """(tokens available externally beyond num_computed_tokens, whether they load
+        asynchronously, between steps). minicore's scheduler supports asynchronous loads only."""
+
+    @abstractmethod
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        """Called for every request the scheduler admits or parks, with all its blocks."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        """This step's metadata for the worker side; resets the per-step state."""
+
+    def request_finished(self, request: "Request",
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """(delay_free, kv_transfer_params): whether the scheduler must hold the request's blocks
+        until get_finished reports the request in finished_sending, and the params to return
+        to the client with the request's last output."""
+        return False, None
+
+    def has_pending_requests(self) -> bool:
+        """Whether the scheduler side holds state the worker side has not been sent yet (a
+        notification to a peer, say): the engine keeps stepping while it does."""
+        return False

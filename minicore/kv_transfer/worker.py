@@ -1,0 +1,33 @@
+"""The worker side of a KV connector around one forward.
+
+Mirrors KVConnectorModelRunnerMixin in vllm/v1/worker/kv_connector_model_runner_mixin.py
+(_get_kv_connector_output and kv_connector_no_forward): bind the step's connector metadata, start
+its loads, run the forward, wait for saves, collect what finished, clear the metadata. An empty
+step (nothing scheduled, as on an instance that only holds blocks for a peer) still runs all of it
+but the forward, so transfers are polled. EngineCore calls this in place of the runner's
+execute_model when it has a connector, so the runners themselves know nothing of connectors.
+Left out: layer-wise loads and saves, connector stats.
+"""
+
+from minicore.kv_transfer.base import KVConnectorBase_V1
+from minicore.model.runner_base import ModelRunnerInterface
+from minicore.outputs import KVConnectorOutput, ModelRunnerOutput
+from minicore.scheduler.output import SchedulerOutput
+
+
+def execute_model_with_kv_connector(runner: ModelRunnerInterface, connector: KVConnectorBase_V1,
+                                    scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+    try:
+        connector.start_load_kv()
+        output = runner.execute_model(scheduler_output)
+        connector.wait_for_save()
+        finished_sending, finished_recving = connector.get_finished(
+            scheduler_output.finished_req_ids)
+        invalid_block_ids = connector.get_block_ids_with_load_errors()
+    finally:
+        connector.clear_connector_metadata()
+    # A new record: runners may hand back a shared empty output.
+    return ModelRunnerOutput(output.req_ids, output.req_id_to_index, output.sampled_token_ids,
+                             KVConnectorOutput(finished_sending, finished_recving,
+                                               invalid_block_ids))
