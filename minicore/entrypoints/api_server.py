@@ -3,8 +3,8 @@
 Mirrors vllm/entrypoints/openai/api_server.py (the routes, the API-key middleware, the exception
 handlers that turn every failure into an OpenAI error body, build_app, run_server; with_cancellation
 and the response helpers are in utils.py) and vllm/entrypoints/launcher.py (serve_http: uvicorn on
-our own event loop; on SIGTERM stop accepting, abort the requests in flight, stop the engine). The
-endpoints' logic is in serving.py. Left out: the other OpenAI endpoints (embeddings, audio,
+our own event loop; on SIGTERM stop accepting, abort the requests in flight, stop the engine, and
+exit 0). The endpoints' logic is in serving.py. Left out: the other OpenAI endpoints (embeddings, audio,
 responses), CORS and SSL options, multiple API servers, and /load, /sleep and the dev endpoints.
 """
 
@@ -36,7 +36,13 @@ from minicore.entrypoints.openai_protocol import (
 )
 from minicore.entrypoints.serving import OpenAIServing
 from minicore.entrypoints.serving_tokenization import detokenize, tokenize
-from minicore.entrypoints.utils import SSEResponse, error_response, json_response, with_cancellation
+from minicore.entrypoints.utils import (
+    SSEResponse,
+    error_response,
+    exit_zero_after_shutdown_signals,
+    json_response,
+    with_cancellation,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -217,6 +223,7 @@ async def run_server(config: EngineConfig, args) -> None:
             access_log=not args.disable_uvicorn_access_log,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S), serving, loop)
         logger.info("serving %s on http://%s:%d", ", ".join(model_names), args.host, args.port)
+        exit_zero_after_shutdown_signals()
         await server.serve()
     finally:
         # The lifespan has normally done this already; not when startup failed or on a forced exit.

@@ -22,7 +22,6 @@ import argparse
 import itertools
 import json
 import logging
-import signal
 import uuid
 from contextlib import asynccontextmanager
 
@@ -32,7 +31,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from minicore.entrypoints.openai_protocol import SSE_DONE, OpenAIError, make_error, sse
-from minicore.entrypoints.utils import SSEResponse, error_response, json_response, with_cancellation
+from minicore.entrypoints.utils import (
+    SSEResponse,
+    error_response,
+    exit_zero_after_shutdown_signals,
+    json_response,
+    with_cancellation,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -243,10 +248,6 @@ def build_proxy_app(proxy: Proxy) -> FastAPI:
     return app
 
 
-def _exit_cleanly(signum, frame) -> None:
-    raise SystemExit(0)
-
-
 def proxy_main(args: argparse.Namespace) -> None:
     import uvloop
 
@@ -256,10 +257,7 @@ def proxy_main(args: argparse.Namespace) -> None:
     server = uvicorn.Server(uvicorn.Config(
         build_proxy_app(proxy), host=args.host, port=args.port,
         log_level=args.uvicorn_log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
-    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again under the
-    # handler it found: this one makes that (and a signal before uvicorn starts) exit 0.
-    for sig in uvicorn.server.HANDLED_SIGNALS:
-        signal.signal(sig, _exit_cleanly)
+    exit_zero_after_shutdown_signals()
     logger.info("proxy on http://%s:%d: prefill %s, decode %s", args.host, args.port,
                 ", ".join(proxy.prefill_urls), ", ".join(proxy.decode_urls))
     uvloop.run(server.serve())

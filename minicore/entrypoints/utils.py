@@ -1,12 +1,15 @@
 """HTTP helpers the API server and the proxy share: JSON and OpenAI error responses, SSE responses
-that always close their generator, and cancelling a handler when its client goes away.
+that always close their generator, cancelling a handler when its client goes away, and exiting
+with status 0 after uvicorn's graceful shutdown on SIGTERM/SIGINT.
 
 Mirrors vllm/entrypoints/utils.py (with_cancellation, listen_for_disconnect). Left out: the CLI
 and logging helpers there.
 """
 
 import asyncio
+import signal
 
+import uvicorn
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -56,3 +59,16 @@ async def with_cancellation(coro, raw_request: Request):
     if not handler.done() or handler.cancelled():
         return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
     return handler.result()
+
+
+def _exit_zero(signum, frame) -> None:
+    raise SystemExit(0)
+
+
+def exit_zero_after_shutdown_signals() -> None:
+    """uvicorn.Server.serve shuts down gracefully on SIGTERM/SIGINT, then raises the signal again
+    under the handler it found, which by default kills the process (-15) or raises
+    KeyboardInterrupt: install this before serve() so that a signal ends the process with exit
+    status 0 (a signal before serve() takes its handlers over exits 0 at once)."""
+    for sig in uvicorn.server.HANDLED_SIGNALS:
+        signal.signal(sig, _exit_zero)
