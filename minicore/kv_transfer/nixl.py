@@ -1,0 +1,213 @@
+"""NixlConnector: prefill/decode disaggregation over NIXL, and its scheduler side.
+
+Mirrors vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py (NixlConnector,
+NixlConnectorMetadata, NixlConnectorScheduler; vLLM 0.32 has split it into the nixl/ package):
+the NixlConnector class dispatches to NixlConnectorScheduler (this file, pure Python) in the
+scheduler role and to NixlConnectorWorker (nixl_worker.py, which imports NIXL, torch and zmq) in
+the worker role.
+
+The flow, as in vLLM: a proxy sends a request to the prefill instance with max_tokens=1 and
+kv_transfer_params {"do_remote_decode": true}; when it finishes (length-capped), request_finished
+holds its blocks (delay_free) with a deadline of abort_request_timeout seconds and returns
+do_remote_prefill, remote_engine_id, remote_block_ids, remote_host, remote_port and
+remote_request_id. The decode instance, given those, reports the prompt (beyond its own prefix hit)
+as external tokens loaded asynchronously; its worker reads them from the prefill instance's blocks
+and the prefill instance frees them when NIXL notifies it of the read (or at the deadline).
+Left out: host buffers (kv_buffer_device), hybrid/sliding-window and Mamba models, tensor
+parallelism (tp_size is always 1), the HTTP handshake, connector stats.
+"""
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from minicore.config import EngineConfig
+from minicore.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from minicore.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from minicore.scheduler.kv_cache_manager import KVCacheBlocks
+    from minicore.scheduler.output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+# vLLM's defaults: VLLM_NIXL_SIDE_CHANNEL_HOST/PORT and VLLM_NIXL_ABORT_REQUEST_TIMEOUT (480 s).
+DEFAULT_SIDE_CHANNEL_HOST = "localhost"
+DEFAULT_SIDE_CHANNEL_PORT = 5600
+DEFAULT_ABORT_REQUEST_TIMEOUT_S = 480.0
+_REMOTE_PARAMS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+
+
+@dataclass(slots=True)
+class ReqMeta:
+    """One read for the worker: the local blocks to fill from the remote ones."""
+    local_block_ids: list[int]
+    remote_block_ids: list[int]
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_request_id: str
+
+
+@dataclass(slots=True)
+class NixlConnectorMetadata(KVConnectorMetadata):
+    reqs_to_recv: dict[str, ReqMeta] = field(default_factory=dict)
+    # Requests whose blocks the prefill side holds, with the time.perf_counter() deadline after
+    # which they are freed unread.
+    reqs_to_send: dict[str, float] = field(default_factory=dict)
+
+    def add_new_req(self, request_id: str, local_block_ids: list[int],
+                    params: dict[str, Any]) -> None:
+        self.reqs_to_recv[request_id] = ReqMeta(
+            local_block_ids, list(params.get("remote_block_ids") or ()),
+            params["remote_engine_id"], params["remote_host"], int(params["remote_port"]),
+            params["remote_request_id"])
+
+
+def side_channel(config: EngineConfig) -> tuple[str, int]:
+    """(host, port) of this engine's handshake listener; the port is offset by the DP rank, as
+    vLLM offsets VLLM_NIXL_SIDE_CHANNEL_PORT, so that the ranks of one instance do not collide."""
+    extra = config.kv_transfer_config.kv_connector_extra_config
+    port = int(extra.get("side_channel_port", DEFAULT_SIDE_CHANNEL_PORT))
+    return (str(extra.get("side_channel_host", DEFAULT_SIDE_CHANNEL_HOST)),
+            port + config.parallel_config.data_parallel_rank)
+
+
+def engine_id(config: EngineConfig) -> str:
+    """This engine's id to its peers: the configured one, with the DP rank when there are several
+    (vLLM suffixes it the same way)."""
+    base = config.kv_transfer_config.engine_id
+    dp = config.parallel_config
+    return f"{base}_dp{dp.data_parallel_rank}" if dp.data_parallel_size > 1 else base
+
+
+class NixlConnector(KVConnectorBase_V1):
+    def __init__(self, config: EngineConfig, role: KVConnectorRole):
+        super().__init__(config, role)
+        self.connector_scheduler: NixlConnectorScheduler | None = None
+        self.connector_worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = NixlConnectorScheduler(config)
+        else:
+            from minicore.kv_transfer.nixl_worker import NixlConnectorWorker
+
+            self.connector_worker = NixlConnectorWorker(config)
+
+    # ---- scheduler side ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        return self.connector_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        self.connector_scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> NixlConnectorMetadata:
+        return self.connector_scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.connector_scheduler.request_finished(request, block_ids)
+
+    def has_pending_requests(self) -> bool:
+        return self.connector_scheduler.has_pending_requests()
+
+    # ---- worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: list[Any]) -> None:
+        self.connector_worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self) -> None:
+        self.connector_worker.start_load_kv(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        return self.connector_worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.connector_worker.get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        if self.connector_worker is not None:
+            self.connector_worker.shutdown()
+
+
+class NixlConnectorScheduler:
+    """The scheduler side: which requests read remote KV, which hold blocks for a peer."""
+
+    def __init__(self, config: EngineConfig):
+        kv_config = config.kv_transfer_config
+        self.engine_id = engine_id(config)
+        self.side_channel_host, self.side_channel_port = side_channel(config)
+        self.abort_request_timeout = float(kv_config.get_from_extra_config(
+            "abort_request_timeout", DEFAULT_ABORT_REQUEST_TIMEOUT_S))
+        # Reads to start, by request id: the request and the local blocks to fill (none: only
+        # notify the prefill side that it may free its blocks).
+        self._reqs_need_recv: dict[str, tuple[Request, list[int]]] = {}
+        # Requests whose blocks are held for a peer, with their deadlines, not yet sent to the
+        # worker side.
+        self._reqs_need_send: dict[str, float] = {}
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        """With do_remote_prefill, every prompt token beyond the local prefix hit is remote, and
+        arrives asynchronously."""
+        params = request.kv_transfer_params
+        if params is not None and params.get("do_remote_prefill"):
+            count = request.num_prompt_tokens - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        if params.get("remote_block_ids"):
+            if all(p in params for p in _REMOTE_PARAMS):
+                # The blocks not hit in the local prefix cache are the ones to read into.
+                local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
+                self._reqs_need_recv[request.request_id] = (request, local)
+            else:
+                logger.warning("Got invalid kv_transfer_params %s: request %s will not use KV "
+                               "transfer", params, request.request_id)
+        # One transfer per request: a preempted request recomputes.
+        params["do_remote_prefill"] = False
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> NixlConnectorMetadata:
+        meta = NixlConnectorMetadata()
+        for req_id, (request, block_ids) in self._reqs_need_recv.items():
+            meta.add_new_req(req_id, block_ids, request.kv_transfer_params)
+        meta.reqs_to_send = self._reqs_need_send
+        self._reqs_need_recv = {}
+        self._reqs_need_send = {}
+        return meta
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):
+            # Finished (aborted) before its read was set up: tell the prefill side, with no
+            # blocks to read, so that it frees its own at once instead of at its deadline.
+            self._reqs_need_recv[request.request_id] = (request, [])
+            params["do_remote_prefill"] = False
+            return False, None
+        if not params.get("do_remote_decode") or request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
+            # Not a prefill for a peer, or one that stopped early or was aborted: free now.
+            return False, None
+        delay_free = bool(block_ids)
+        if delay_free:
+            self._reqs_need_send[request.request_id] = (time.perf_counter()
+                                                        + self.abort_request_timeout)
+        return delay_free, dict(
+            do_remote_prefill=True, do_remote_decode=False, remote_block_ids=block_ids,
+            remote_engine_id=self.engine_id, remote_request_id=request.request_id,
+            remote_host=self.side_channel_host, remote_port=self.side_channel_port, tp_size=1)
+
+    def has_pending_requests(self) -> bool:
+        return bool(self._reqs_need_recv) or bool(self._reqs_need_send)

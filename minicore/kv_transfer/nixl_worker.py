@@ -1,0 +1,290 @@
+"""NixlConnectorWorker: the worker side of NixlConnector, on a NIXL agent.
+
+Mirrors NixlConnectorWorker in vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py
+(vLLM 0.32: nixl/base_worker.py and nixl/pull_worker.py), small:
+- register_kv_caches registers the paged KV cache (one tensor per layer, kv_cache_shape in
+  minicore/model/attention.py: [2, num_blocks, block_size, heads, head_dim]) with a NIXL agent and
+  describes it as 2 * num_layers regions of num_blocks blocks; it keeps the tensors referenced
+  while registered (NIXL reads their memory behind torch's back).
+- A handshake listener thread answers GET_META_MSG on a ZMQ ROUTER at the side channel with this
+  agent's metadata and region addresses; the decode side fetches it (ZMQ REQ) the first time it
+  reads from an engine, and adds the remote agent (vLLM's _nixl_handshake).
+- start_load_kv starts one READ per request, local block i from the remote request's matching
+  block, with the remote request id as the notification NIXL delivers to the prefill side when
+  the read completes; a request with no block to read only sends that notification.
+- get_finished: reads done (or failed: their blocks reported invalid), and on the prefill side,
+  notifications received and held requests whose deadline passed.
+The READ is one-sided: the prefill instance's engine does nothing for it, but NIXL's progress
+thread must run (with it off, a READ from an idle instance never completes). A peer that died
+fails the READ (NIXL_ERR_REMOTE_DISCONNECT); its agent is then forgotten, so a restarted peer is
+handshaken afresh. Left out: background handshakes (here synchronous, on the forward thread,
+bounded by handshake_timeout), tensor parallelism, host buffers, block-size or layout conversion
+between peers (both must match), stats.
+"""
+
+import logging
+import threading
+import time
+
+import msgspec
+import numpy as np
+import zmq
+
+from minicore.config import EngineConfig
+from minicore.kv_transfer.nixl import (
+    DEFAULT_ABORT_REQUEST_TIMEOUT_S,
+    NixlConnectorMetadata,
+    ReqMeta,
+    engine_id,
+    side_channel,
+)
+
+logger = logging.getLogger(__name__)
+
+GET_META_MSG = b"get_meta_msg"
+NIXL_MISSING = ("NIXL is not installed ({error}): NixlConnector needs it. On a CPU machine, "
+                "after the CPU torch: pip install nixl-cu12==1.5.1 && pip install --no-deps "
+                "nixl==1.5.1 (scripts/setup.sh does this); a plain `pip install nixl` pulls a "
+                "CUDA torch")
+
+
+class NixlAgentMetadata(msgspec.Struct):
+    engine_id: str
+    agent_metadata: bytes
+    # Base address of each region (layer l's K is region 2l, its V 2l + 1).
+    region_base_addrs: list[int]
+    num_blocks: int
+    block_len: int
+
+
+def _import_nixl():
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError as e:
+        raise RuntimeError(NIXL_MISSING.format(error=e)) from e
+    return nixl_agent, nixl_agent_config
+
+
+class NixlConnectorWorker:
+    def __init__(self, config: EngineConfig):
+        nixl_agent, nixl_agent_config = _import_nixl()
+        kv_config = config.kv_transfer_config
+        self.engine_id = engine_id(config)
+        self.side_channel_host, self.side_channel_port = side_channel(config)
+        self.handshake_timeout = float(kv_config.get_from_extra_config("handshake_timeout", 5.0))
+        self.abort_request_timeout = float(kv_config.get_from_extra_config(
+            "abort_request_timeout", DEFAULT_ABORT_REQUEST_TIMEOUT_S))
+        backends = kv_config.get_from_extra_config("backends", ["UCX"])
+        self.agent = nixl_agent(f"minicore-{self.engine_id}",
+                                nixl_agent_config(enable_prog_thread=True, backends=backends))
+        self.kv_caches: list = []
+        self._reg_descs = None
+        self._local_dlist = None
+        self._metadata: NixlAgentMetadata | None = None
+        # Remote engine id -> (agent name, prepared descriptor list, its num_blocks).
+        self._remote: dict[str, tuple[str, object, int]] = {}
+        # Reads in flight: request id -> (transfer handle, local block ids).
+        self._recving: dict[str, tuple[object, list[int]]] = {}
+        self._failed_recving: set[str] = set()
+        self._invalid_block_ids: set[int] = set()
+        # Held requests and their deadlines; notifications that came before the request did.
+        self._reqs_to_send: dict[str, float] = {}
+        self._early_notifs: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._listener: threading.Thread | None = None
+
+    # ---- registration and the handshake listener -----------------------------------------------
+
+    def register_kv_caches(self, kv_caches: list) -> None:
+        self.kv_caches = list(kv_caches)
+        self._reg_descs = self.agent.register_memory(self.kv_caches)
+        first = self.kv_caches[0]
+        num_blocks = first.shape[1]
+        block_len = first[0, 0].numel() * first.element_size()
+        bases = [t.data_ptr() + kv * t.stride(0) * t.element_size()
+                 for t in self.kv_caches for kv in (0, 1)]
+        self._local_dlist = self.agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", _block_descs(bases, num_blocks, block_len), "DRAM")
+        self._metadata = NixlAgentMetadata(self.engine_id, self.agent.get_agent_metadata(),
+                                           bases, num_blocks, block_len)
+        ready = threading.Event()
+        self._listener = threading.Thread(target=self._handshake_listener, args=(ready,),
+                                          daemon=True, name="nixl_handshake_listener")
+        self._listener.start()
+        ready.wait()
+
+    def _handshake_listener(self, ready: threading.Event) -> None:
+        encoded = msgspec.msgpack.encode(self._metadata)
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.RCVTIMEO, 200)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(f"tcp://{self.side_channel_host}:{self.side_channel_port}")
+        ready.set()
+        try:
+            while not self._stop.is_set():
+                try:
+                    identity, _, msg = sock.recv_multipart()
+                except zmq.Again:
+                    continue
+                if msg != GET_META_MSG:
+                    logger.warning("NIXL handshake listener got unexpected message %r", msg)
+                sock.send_multipart((identity, b"", encoded))
+        finally:
+            sock.close()
+            ctx.term()
+
+    def _handshake(self, meta: ReqMeta) -> tuple[str, object, int]:
+        """Fetch the remote engine's metadata and add its agent (cached per engine id)."""
+        if (remote := self._remote.get(meta.remote_engine_id)) is not None:
+            return remote
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, int(self.handshake_timeout * 1000))
+        try:
+            sock.connect(f"tcp://{meta.remote_host}:{meta.remote_port}")
+            sock.send(GET_META_MSG)
+            peer = msgspec.msgpack.decode(sock.recv(), type=NixlAgentMetadata)
+        finally:
+            sock.close()
+            ctx.term()
+        if peer.engine_id != meta.remote_engine_id:
+            raise RuntimeError(f"{meta.remote_host}:{meta.remote_port} is engine "
+                               f"{peer.engine_id!r}, not {meta.remote_engine_id!r}")
+        local = self._metadata
+        if (peer.block_len, len(peer.region_base_addrs)) != (local.block_len,
+                                                             len(local.region_base_addrs)):
+            raise RuntimeError(f"engine {peer.engine_id!r} has another KV cache layout (block of "
+                               f"{peer.block_len} bytes, {len(peer.region_base_addrs)} regions; "
+                               f"here {local.block_len}, {len(local.region_base_addrs)})")
+        name = self.agent.add_remote_agent(peer.agent_metadata)
+        dlist = self.agent.prep_xfer_dlist(
+            name, _block_descs(peer.region_base_addrs, peer.num_blocks, peer.block_len), "DRAM")
+        remote = self._remote[meta.remote_engine_id] = (name, dlist, peer.num_blocks)
+        return remote
+
+    def _forget_remote(self, remote_engine_id: str) -> None:
+        if (remote := self._remote.pop(remote_engine_id, None)) is not None:
+            name, dlist, _ = remote
+            self.agent.release_dlist_handle(dlist)
+            self.agent.remove_remote_agent(name)
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
+        if self._metadata is None:
+            raise RuntimeError("NixlConnector needs the model's KV cache: it cannot run with "
+                               "--runner simulated")
+        for req_id, meta in metadata.reqs_to_recv.items():
+            try:
+                self._read_blocks(req_id, meta)
+            except Exception as e:  # a dead or wrong peer: the request recomputes
+                logger.warning("KV read for request %s from engine %s failed: %s", req_id,
+                               meta.remote_engine_id, e)
+                self._forget_remote(meta.remote_engine_id)
+                if meta.local_block_ids:
+                    self._fail(req_id, meta.local_block_ids)
+        now = time.perf_counter()
+        for req_id, deadline in metadata.reqs_to_send.items():
+            if self._early_notifs.pop(req_id, None) is not None:
+                deadline = now  # read before this engine heard of it: free at once
+            self._reqs_to_send[req_id] = deadline
+
+    def _read_blocks(self, req_id: str, meta: ReqMeta) -> None:
+        name, remote_dlist, remote_num_blocks = self._handshake(meta)
+        notif = meta.remote_request_id.encode()
+        local_ids = meta.local_block_ids
+        if not local_ids:
+            self.agent.send_notif(name, notif)
+            return
+        # A local prefix hit covers the first blocks: read only the remote tail.
+        remote_ids = meta.remote_block_ids[-len(local_ids):]
+        if len(remote_ids) != len(local_ids):
+            raise RuntimeError(f"{len(local_ids)} local blocks to fill from "
+                               f"{len(meta.remote_block_ids)} remote ones")
+        local_num_blocks = self._metadata.num_blocks
+        regions = np.arange(len(self._metadata.region_base_addrs))[:, None]
+        local_idx = (regions * local_num_blocks + np.asarray(local_ids)).ravel()
+        remote_idx = (regions * remote_num_blocks + np.asarray(remote_ids)).ravel()
+        handle = self.agent.make_prepped_xfer("READ", self._local_dlist, local_idx.tolist(),
+                                              remote_dlist, remote_idx.tolist(), notif)
+        if self.agent.transfer(handle) == "ERR":
+            self.agent.release_xfer_handle(handle)
+            raise RuntimeError("NIXL could not post the READ")
+        self._recving[req_id] = (handle, local_ids)
+
+    def _fail(self, req_id: str, block_ids: list[int]) -> None:
+        self._failed_recving.add(req_id)
+        self._invalid_block_ids.update(block_ids)
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        return self._get_finished_sending(), self._get_finished_recving()
+
+    def _get_finished_recving(self) -> set[str] | None:
+        done = self._failed_recving
+        self._failed_recving = set()
+        for req_id, (handle, block_ids) in list(self._recving.items()):
+            try:
+                state = self.agent.check_xfer_state(handle)
+            except Exception as e:  # NIXL raises for a peer that went away mid-transfer
+                state = f"ERR: {e}"
+            if state == "PROC":
+                continue
+            self.agent.release_xfer_handle(handle)
+            del self._recving[req_id]
+            if state != "DONE":
+                logger.warning("KV read for request %s failed (%s): it recomputes", req_id, state)
+                self._invalid_block_ids.update(block_ids)
+            done.add(req_id)
+        return done or None
+
+    def _get_finished_sending(self) -> set[str] | None:
+        now = time.perf_counter()
+        done = set()
+        for msgs in self.agent.get_new_notifs().values():
+            for msg in msgs:
+                req_id = msg.decode()
+                if self._reqs_to_send.pop(req_id, None) is not None:
+                    done.add(req_id)
+                else:
+                    self._early_notifs[req_id] = now
+        for req_id, deadline in list(self._reqs_to_send.items()):
+            if now >= deadline:
+                logger.warning("Releasing the KV blocks of request %s: no peer read them in time",
+                               req_id)
+                del self._reqs_to_send[req_id]
+                done.add(req_id)
+        # A notification for a request this engine never holds (aborted here) is kept no longer
+        # than a held request would be.
+        self._early_notifs = {r: t for r, t in self._early_notifs.items()
+                              if now - t < self.abort_request_timeout}
+        return done or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid, self._invalid_block_ids = self._invalid_block_ids, set()
+        return invalid
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self._listener is not None:
+            self._listener.join()
+            self._listener = None
+        for handle, _ in self._recving.values():
+            self.agent.release_xfer_handle(handle)
+        self._recving.clear()
+        for remote_engine_id in list(self._remote):
+            self._forget_remote(remote_engine_id)
+        if self._local_dlist is not None:
+            self.agent.release_dlist_handle(self._local_dlist)
+            self.agent.deregister_memory(self._reg_descs)
+            self._local_dlist = self._reg_descs = None
+        self.kv_caches = []
+
+
+def _block_descs(region_base_addrs: list[int], num_blocks: int, block_len: int) -> np.ndarray:
+    """(address, length, device 0) of every block of every region, region-major: block b of
+    region r is row r * num_blocks + b."""
+    bases = np.asarray(region_base_addrs, dtype=np.int64)[:, None]
+    addrs = (bases + np.arange(num_blocks, dtype=np.int64) * block_len).ravel()
+    return np.stack([addrs, np.full_like(addrs, block_len), np.zeros_like(addrs)], axis=1)
