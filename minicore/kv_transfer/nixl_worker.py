@@ -31,7 +31,7 @@ import numpy as np
 import zmq
 
 from minicore.config import EngineConfig
-from minicore.kv_transfer.nixl import (
+from minicore.kv_transfer.nixl_metadata import (
     DEFAULT_ABORT_REQUEST_TIMEOUT_S,
     NixlConnectorMetadata,
     ReqMeta,

@@ -278,8 +278,10 @@ class Scheduler(RemoteKVMixin):
             if not chunked and num_new_tokens > token_budget:
                 break
             num_new_tokens = min(num_new_tokens, token_budget)
-            if kv.allocate_slots(request, num_new_tokens, num_computed, computed_blocks,
-                                 full_sequence_must_fit) is None:
+            # The tokens computed beyond the request's own count: the prefix hit (a request
+            # resumed from remote KV has them counted already).
+            if kv.allocate_slots(request, num_new_tokens, num_computed - request.num_computed_tokens,
+                                 computed_blocks, full_sequence_must_fit) is None:
                 break
             waiting.pop_request()
             if not resumed_from_remote:

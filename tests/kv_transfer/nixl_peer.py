@@ -10,7 +10,7 @@ import torch
 
 from minicore.config import EngineConfig, create_engine_config
 from minicore.kv_transfer.config import KVTransferConfig
-from minicore.kv_transfer.nixl import NixlConnectorMetadata, ReqMeta
+from minicore.kv_transfer.nixl_metadata import NixlConnectorMetadata, ReqMeta
 from minicore.kv_transfer.nixl_worker import NixlConnectorWorker
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 4, 12, 16, 3, 64
