@@ -27,8 +27,9 @@ class ServerProcess:
     """Use as a context manager: it returns once /health answers 200; on exit it SIGTERMs the
     server if it still runs and then SIGKILLs its whole process group."""
 
-    def __init__(self, *args: str):
-        self.port = free_port()
+    def __init__(self, *args: str, port: int | None = None):
+        # A given port: a server restarted where its clients expect it (the disaggregation tests).
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix="minicore-serve-", suffix=".log")[1])
         self.args = [sys.executable, "-m", "minicore", "serve", "--port", str(self.port),
