@@ -38,7 +38,24 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="run only this machine's DP ranks, for a frontend on another machine")
 
 
+def check_local_paths(config) -> None:
+    """A model or tokenizer that is not on this machine (a hub id) refused before anything starts
+    (ModelLoadError, a ValueError: `error: ...`, exit status 1)."""
+    from minicore.model.loader import check_local
+
+    mc = config.model_config
+    for what, path in (("model", mc.model), ("tokenizer", mc.tokenizer)):
+        if path is not None:
+            check_local(path, what)
+
+
 def _serve(args: argparse.Namespace) -> None:
+    # Every check that needs no model first, before the server's imports: a bad flag fails fast.
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    config = create_engine_config(**engine_kwargs_from_cli(args))
+    check_local_paths(config)
+
     import asyncio
 
     import uvloop
@@ -47,9 +64,6 @@ def _serve(args: argparse.Namespace) -> None:
 
     logging.basicConfig(level=logging.INFO, datefmt="%m-%d %H:%M:%S",
                         format="%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s")
-    if args.model_tag is not None:
-        args.model = args.model_tag
-    config = create_engine_config(**engine_kwargs_from_cli(args))
     if args.headless:
         from minicore.dp.launch import run_headless
 

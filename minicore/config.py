@@ -21,17 +21,23 @@ from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
 from types import NoneType, UnionType
 from typing import Any, Literal, get_args, get_origin
 
+from minicore.arg_utils import human_readable_int, resolve_chat_template
 from minicore.kv_transfer.config import KVTransferConfig
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 BalanceThreshold = Literal["full", "one-short"]
 BalanceCountSync = Literal["all-gather", "all-reduce-max"]
 ModelRunnerKind = Literal["transformers", "simulated"]
+# vLLM's --dtype choices; "auto" is bfloat16 on CUDA and float32 on CPU, resolved where torch is
+# (minicore.model.loader), since this module stays pure Python.
+ModelDType = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
+
 
 
 def _flag(default, help: str, **cli) -> Any:
     """A field with a command-line flag. cli: flag= (its name, when not --field-name), aliases=
-    (short forms), group= (its --help group, when not its config's)."""
+    (short forms), group= (its --help group, when not its config's), type= (argparse's, when not the
+    annotation's)."""
     return field(default=default, metadata={"help": help, **cli})
 
 
@@ -42,8 +48,11 @@ _RUNTIME = {"cli": False}
 @dataclass(slots=True)
 class SchedulerConfig:
     max_num_seqs: int = _flag(256, "most requests running at once")
-    max_num_batched_tokens: int = _flag(8192, "most tokens one step computes, over all requests")
-    max_model_len: int = _flag(2048, "most tokens of one request, prompt and output together")
+    # type=: vLLM's human-readable integers (32k, 1K) for the token counts it reads that way.
+    max_num_batched_tokens: int = _flag(8192, "most tokens one step computes, over all requests",
+                                        type=human_readable_int)
+    max_model_len: int = _flag(2048, "most tokens of one request, prompt and output together "
+                                     "(32k: 32000, 32K: 32768)", type=human_readable_int)
     long_prefill_token_threshold: int = _flag(
         0, "cut a prefill longer than this into chunks of this size; 0: no cap beyond the step's "
            "token budget")
@@ -101,7 +110,8 @@ class CacheConfig:
     num_blocks: int | None = field(default=None, metadata=_RUNTIME)
     enable_prefix_caching: bool = _flag(
         True, "reuse the KV cache blocks of a prompt prefix computed before")
-    kv_cache_memory: int = _flag(1 << 30, "KV cache bytes on CPU")
+    kv_cache_memory: int = _flag(1 << 30, "KV cache bytes on CPU (4G: 4*2^30, 4g: 4*10^9)",
+                                 type=human_readable_int)
     gpu_memory_utilization: float = _flag(
         0.9, "the fraction of the GPU's memory the engine may use on CUDA; the KV cache gets what "
              "the profiling forward leaves over")
@@ -142,10 +152,28 @@ class SimulatedCost:
 class ModelConfig:
     model: str | None = _flag(
         None, "safetensors directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    dtype: str | None = _flag(
-        None, "float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)")
+    tokenizer: str | None = _flag(
+        None, "a local tokenizer directory, when not the model's own (default: the model's)")
+    dtype: ModelDType = _flag(
+        "auto", "the weights' dtype; auto: bfloat16 on CUDA, float32 on CPU; half is float16, "
+                "float is float32")
     device: str | None = _flag(None, "cpu, cuda or cuda:N (default: CUDA when available)")
-    seed: int = _flag(0, "seeds the sampler of requests that bring no seed of their own")
+    seed: int = _flag(0, "seeds the engine's random state, as vLLM's --seed: requests that bring "
+                         "no seed of their own sample from it, so a fresh engine repeats them")
+    chat_template: str | None = _flag(
+        None, "the chat template: a file's path, or the template itself (default: the "
+              "tokenizer's)")
+    # vLLM's default, 'auto', reads the model's generation_config.json sampling defaults, which
+    # minicore does not apply yet (issue 15): refused rather than silently not honoured.
+    generation_config: str = _flag(
+        "vllm", "vllm: vLLM's sampling defaults, the model's generation_config.json ignored "
+                "(minicore's only mode for now: 'auto' and a folder path are refused)")
+    trust_remote_code: bool = _flag(
+        False, "accepted for vLLM's command lines; no effect: minicore runs only the model "
+               "classes built into transformers and never runs a model's own code")
+    enforce_eager: bool = _flag(
+        False, "accepted for vLLM's command lines; no effect: minicore always runs eagerly (it "
+               "captures no CUDA graphs)")
     runner: ModelRunnerKind = _flag(
         "transformers", "simulated: no weights, made-up tokens after a modelled delay "
                         "(minicore.model.simulated, for studying the IO path and scheduling "
@@ -157,6 +185,15 @@ class ModelConfig:
     def __post_init__(self):
         if self.runner not in ("transformers", "simulated"):
             raise ValueError(f"runner must be 'transformers' or 'simulated', got {self.runner!r}")
+        if self.dtype not in get_args(ModelDType):
+            raise ValueError(f"dtype must be one of {', '.join(get_args(ModelDType))}, "
+                             f"got {self.dtype!r}")
+        if self.generation_config != "vllm":
+            raise ValueError(
+                f"--generation-config {self.generation_config}: minicore does not apply a "
+                "model's generation_config.json defaults yet; only 'vllm' (vLLM's sampling "
+                "defaults, generation_config ignored) is supported")
+        resolve_chat_template(self.chat_template)  # a file that cannot be read: refused now
 
 
 @dataclass(slots=True)
@@ -164,6 +201,12 @@ class ParallelConfig:
     data_parallel_size: int = _flag(
         1, "number of engine replicas (DP ranks), on every machine together", aliases=("-dp",))
     data_parallel_rank: int = field(default=0, metadata=_RUNTIME)
+    # vLLM's flags, so that its command lines run: 1 is what minicore does, anything else is
+    # refused (one model replica per process; data parallelism is its only parallelism).
+    tensor_parallel_size: int = _flag(
+        1, "accepted as 1 only: minicore has no tensor parallelism", aliases=("-tp",))
+    pipeline_parallel_size: int = _flag(
+        1, "accepted as 1 only: minicore has no pipeline parallelism", aliases=("-pp",))
     # A frontend's local ranks start at 0; ranks on other machines start headless.
     data_parallel_size_local: int | None = _flag(
         None, "DP ranks to start on this machine (default: all, from the start rank on)",
@@ -187,6 +230,11 @@ class ParallelConfig:
                "and a Qwen3-MoE, Qwen2-MoE, Mixtral or OLMoE model")
 
     def __post_init__(self):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) != 1:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} {getattr(self, name)} is not supported by minicore: "
+                                 "only 1 (scale out with --data-parallel-size)")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.data_parallel_size_local is None:
@@ -300,7 +348,7 @@ def _flag_kwargs(f: Field) -> dict:
         return kwargs | {"type": _json_dataclass(kind), "metavar": "JSON"}
     if get_origin(kind) is Literal:
         return kwargs | {"choices": get_args(kind)}
-    return kwargs | {"type": kind}
+    return kwargs | {"type": f.metadata.get("type", kind)}
 
 
 def _json_dataclass(cls: type):

@@ -17,6 +17,7 @@ from minicore.engine.core import EngineCore
 from minicore.engine.input_processor import InputProcessor, Prompt
 from minicore.engine.output_processor import OutputProcessor
 from minicore.outputs import RequestOutput
+from minicore.arg_utils import resolve_chat_template
 from minicore.protocol import EngineCoreRequest
 from minicore.request import Request
 from minicore.sampling_params import SamplingParams
@@ -29,6 +30,8 @@ class LLM:
     kv_cache_memory, enable_prefix_caching, scheduling_policy, dtype, ...)."""
 
     def __init__(self, model=None, tokenizer=None, **engine_args):
+        if isinstance(tokenizer, str):  # vLLM's LLM(tokenizer=PATH): a directory, not an object
+            engine_args["tokenizer"], tokenizer = tokenizer, None
         loaded = model is not None and not isinstance(model, str)
         if loaded and tokenizer is None:
             raise ValueError("a loaded model needs its tokenizer: LLM(model, tokenizer=...)")
@@ -69,9 +72,10 @@ class LLM:
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Generate replies to conversations ([{"role": ..., "content": ...}, ...]), formatted with
-        the tokenizer's chat template."""
+        the chat template (chat_template's, else the tokenizer's)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False,
+        template = resolve_chat_template(self.config.model_config.chat_template)
+        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, chat_template=template,
                                                       add_generation_prompt=add_generation_prompt)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -169,3 +169,95 @@ def test_serve_refuses_a_model_expert_parallelism_cannot_serve(tmp_path, model_t
     with pytest.raises(SystemExit) as e:
         cli.main(["serve", str(tmp_path), "-dp", str(dp), "--enable-expert-parallel"])
     assert e.value.code == f"error: {message}"
+
+
+# ---- vLLM's command lines (issue 15): its flag names and forms, and clear refusals -------------
+
+@pytest.mark.parametrize("value, expected", [
+    ("32k", 32000), ("32K", 32768), ("25.6k", 25600), ("1m", 10**6), ("2M", 2 * 2**20),
+    ("4096", 4096)])
+def test_max_model_len_takes_vllms_human_readable_ints(value, expected):
+    config = engine_config(["serve", "--max-model-len", value, "--max-num-batched-tokens", "64k"])
+    assert config.scheduler_config.max_model_len == expected
+    assert config.scheduler_config.max_num_batched_tokens == 64000
+
+
+def test_human_readable_int_refuses_decimals_with_binary_suffixes(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--max-model-len", "1.5K"])
+    assert e.value.code == 2
+    assert "Decimals are not allowed with binary suffixes like K" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype, expected", [
+    ("auto", "float32"), ("float", "float32"), ("half", "float16"), ("bfloat16", "bfloat16")])
+def test_dtype_auto_and_vllms_aliases_resolve_on_cpu(dtype, expected):
+    import torch
+
+    from minicore.model.loader import _resolve_dtype
+
+    assert engine_config(["serve", "--dtype", dtype]).model_config.dtype == dtype
+    assert _resolve_dtype(dtype, torch.device("cpu")) == getattr(torch, expected)
+    assert _resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+
+
+def test_a_bad_dtype_is_refused_at_parse_and_config_time(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--dtype", "int8"])
+    assert e.value.code == 2 and "invalid choice: 'int8'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="dtype must be one of auto, half, float16"):
+        ModelConfig(dtype="int8")
+
+
+def test_accepted_no_op_flags_say_so_in_help(capsys):
+    config = engine_config(["serve", "--trust-remote-code", "--enforce-eager", "-tp", "1",
+                            "-pp", "1", "--generation-config", "vllm"])
+    assert config.model_config.trust_remote_code and config.model_config.enforce_eager
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "never runs a model's own code" in out
+    assert "minicore always runs eagerly" in out
+    assert "--tensor-parallel-size TENSOR_PARALLEL_SIZE, -tp TENSOR_PARALLEL_SIZE" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-tp", "2"], "--tensor-parallel-size 2 is not supported by minicore"),
+    (["--pipeline-parallel-size", "4"], "--pipeline-parallel-size 4 is not supported by minicore"),
+    (["--generation-config", "auto"], "--generation-config auto: minicore does not apply"),
+    (["--generation-config", "/models/x"], "--generation-config /models/x: minicore does not"),
+    (["--chat-template", "/no/such/template.jinja"], "looks like a file path, but it could not"),
+    (["Qwen/Qwen3-0.6B"], "minicore loads local models only; no downloads: model "
+                          "'Qwen/Qwen3-0.6B' is not a local file or directory"),
+    (["--tokenizer", "Qwen/Qwen3-0.6B"], "no downloads: tokenizer 'Qwen/Qwen3-0.6B'"),
+])
+def test_serve_refuses_what_minicore_cannot_do_before_starting_anything(argv, message):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", *argv])
+    assert str(e.value.code).startswith("error: ") and message in e.value.code
+
+
+def test_chat_template_is_a_file_or_the_template_itself(tmp_path):
+    from minicore.arg_utils import resolve_chat_template
+
+    inline = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(inline)
+    assert resolve_chat_template(inline) == inline
+    assert resolve_chat_template(str(path)) == inline
+    assert engine_config(["serve", "--chat-template", str(path)]).model_config.chat_template \
+        == str(path)
+
+
+def test_hub_id_is_refused_fast_by_a_real_serve_process():
+    """The whole command, as a user runs it: no engine, no server import, an answer at once."""
+    import subprocess
+    import sys
+    import time
+
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "minicore", "serve", "Qwen/Qwen3-0.6B"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.startswith("error: minicore loads local models only; no downloads")
+    assert time.monotonic() - start < 10

