@@ -30,6 +30,12 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="no periodic throughput/KV cache log line")
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+    parser.add_argument("--enable-server-load-tracking", action="store_true",
+                        help="count the generation requests in flight for GET /load (without "
+                             "it, /load answers 0, as vLLM's)")
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="add usage.prompt_tokens_details.cached_tokens (the prompt tokens "
+                             "found in the prefix cache) to responses, as vLLM's")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     groups = add_engine_cli_args(parser)

@@ -5,7 +5,7 @@ handlers that turn every failure into an OpenAI error body, build_app, run_serve
 and the response helpers are in utils.py) and vllm/entrypoints/launcher.py (serve_http: uvicorn on
 our own event loop; on SIGTERM stop accepting, abort the requests in flight, stop the engine, and
 exit 0). The endpoints' logic is in serving.py. Left out: the other OpenAI endpoints (embeddings, audio,
-responses), CORS and SSL options, multiple API servers, and /load, /sleep and the dev endpoints.
+responses), CORS and SSL options, multiple API servers, /sleep and the dev endpoints but /reset_prefix_cache.
 """
 
 import asyncio
@@ -71,7 +71,8 @@ class AuthenticationMiddleware:
 
 
 def build_app(client: AsyncLLM, serving: OpenAIServing, metrics: ServerMetrics,
-              api_key: str | None = None, log_stats: bool = True) -> FastAPI:
+              api_key: str | None = None, log_stats: bool = True,
+              enable_server_load_tracking: bool = False) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         stats_task = asyncio.ensure_future(_log_stats(metrics, client)) if log_stats else None
@@ -90,7 +91,11 @@ def build_app(client: AsyncLLM, serving: OpenAIServing, metrics: ServerMetrics,
     if api_key:
         app.add_middleware(AuthenticationMiddleware, api_key=api_key)
     _add_exception_handlers(app)
+    # vLLM's /load: generation requests in flight, counted only with --enable-server-load-tracking.
+    app.state.enable_server_load_tracking = enable_server_load_tracking
+    app.state.server_load_metrics = 0
     _add_routes(app, client, serving, metrics)
+    _add_admin_routes(app, client)
     return app
 
 
@@ -150,10 +155,16 @@ def _add_routes(app: FastAPI, client: AsyncLLM, serving: OpenAIServing,
     async def run(handler, raw_request: Request, stream: bool):
         # A stream returns at once (SSEResponse notices a disconnect); a whole response needs
         # watching while it is generated.
-        result = await (handler if stream else with_cancellation(handler, raw_request))
-        if isinstance(result, Response):
-            return result
-        return SSEResponse(result) if stream else json_response(result)
+        done = _LoadTracker(raw_request.app.state)
+        try:
+            result = await (handler if stream else with_cancellation(handler, raw_request))
+        except BaseException:
+            done()
+            raise
+        if stream and not isinstance(result, Response):
+            return SSEResponse(result, on_close=done)  # in flight until the stream ends
+        done()
+        return result if isinstance(result, Response) else json_response(result)
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request):
@@ -164,6 +175,46 @@ def _add_routes(app: FastAPI, client: AsyncLLM, serving: OpenAIServing,
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
         return await run(serving.create_chat_completion(request, rank_header(raw_request)),
                          raw_request, request.stream)
+
+
+class _LoadTracker:
+    """One generation request in /load's count (when tracking is on); calling it takes the
+    request off, once, however its response ended."""
+
+    def __init__(self, state):
+        self.state, self.pending = state, state.enable_server_load_tracking
+        if self.pending:
+            state.server_load_metrics += 1
+
+    def __call__(self) -> None:
+        if self.pending:
+            self.pending = False
+            self.state.server_load_metrics -= 1
+
+
+def _add_admin_routes(app: FastAPI, client: AsyncLLM) -> None:
+    """vLLM's operational endpoints beside the API: /ping (SageMaker's health check), /load and
+    /reset_prefix_cache (vLLM mounts it in dev mode only; always here: aiperf's --reset-kv-cache
+    calls it between runs, and it changes no output)."""
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        if client.is_healthy:
+            return Response(status_code=200)
+        return error_response(OpenAIError("an engine core process is dead", 503))
+
+    @app.get("/load")
+    async def load(raw_request: Request):
+        return json_response({"server_load": raw_request.app.state.server_load_metrics})
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        # Every engine's cache; vLLM's answer: success is False while some block is in use.
+        num_engines = client.config.parallel_config.data_parallel_size
+        results = [await client.call_utility("reset_prefix_cache", engine_index=i)
+                   for i in range(num_engines)]
+        logger.info("reset the prefix cache of %d engine(s): %s", num_engines, results)
+        return json_response({"success": all(results)})
 
 
 def rank_header(raw_request: Request) -> str | None:
@@ -216,8 +267,9 @@ async def run_server(config: EngineConfig, args) -> None:
         metrics = ServerMetrics(model_names[0], num_engines, lambda: client.latest_stats)
         client.output_processor.on_new_tokens = metrics.on_new_tokens
         client.output_processor.on_request_finished = metrics.on_request_finished
-        serving = OpenAIServing(client, model_names)
-        app = build_app(client, serving, metrics, args.api_key, not args.disable_log_stats)
+        serving = OpenAIServing(client, model_names, args.enable_prompt_tokens_details)
+        app = build_app(client, serving, metrics, args.api_key, not args.disable_log_stats,
+                        args.enable_server_load_tracking)
         server = ApiServer(uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
             access_log=not args.disable_uvicorn_access_log,

@@ -230,10 +230,17 @@ class DetokenizeRequest(OpenAIBaseModel):
 # -------------------------------------------------------------------------------- responses
 
 
+class PromptTokenUsageInfo(msgspec.Struct):
+    # Prompt tokens whose KV came from the prefix cache (vLLM: num_cached_tokens).
+    cached_tokens: int | None = None
+
+
 class UsageInfo(msgspec.Struct):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # Only with --enable-prompt-tokens-details, as in vLLM; otherwise left out of the JSON.
+    prompt_tokens_details: PromptTokenUsageInfo | msgspec.UnsetType = msgspec.UNSET
 
 
 class CompletionResponseChoice(msgspec.Struct):

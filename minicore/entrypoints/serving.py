@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import msgspec
 from jinja2 import TemplateError
 
+from minicore.arg_utils import resolve_chat_template
 from minicore.engine.async_llm import AsyncLLM
 from minicore.engine.core_client import EngineDeadError
 from minicore.engine.input_processor import InvalidRequestError
@@ -40,6 +41,7 @@ from minicore.entrypoints.openai_protocol import (
     ModelCard,
     ModelList,
     OpenAIError,
+    PromptTokenUsageInfo,
     SamplingRequest,
     UsageInfo,
     check_text_param,
@@ -73,13 +75,17 @@ class Choice:
     stop_reason: int | str | None = None
     # The KV connector's params from the engine's final output (disaggregated prefill).
     kv_transfer_params: dict | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
 
 class OpenAIServing:
-    def __init__(self, client: AsyncLLM, model_names: list[str]):
+    def __init__(self, client: AsyncLLM, model_names: list[str],
+                 enable_prompt_tokens_details: bool = False):
         self.client = client
         self.model_names = model_names
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.tokenizer = client.tokenizer
+        self.chat_template = resolve_chat_template(client.config.model_config.chat_template)
         self.vocab_size = client.vocab_size
         self.max_model_len = client.config.scheduler_config.max_model_len
         self.created = int(time.time())
@@ -158,7 +164,8 @@ class OpenAIServing:
         conversation = [m.to_template_dict() for m in messages]
         try:
             return self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                chat_template=self.chat_template)
         except (TemplateError, ValueError, TypeError) as e:  # the template's own checks
             raise OpenAIError(f"the chat template rejected the messages: {e}", 400,
                               "messages") from None
@@ -207,6 +214,7 @@ class OpenAIServing:
         delta = completion.text[len(choice.text):]
         choice.text = completion.text
         choice.num_tokens = len(completion.token_ids)
+        choice.num_cached_tokens = output.num_cached_tokens
         if output.finished:
             choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason
             choice.kv_transfer_params = output.kv_transfer_params
@@ -279,7 +287,13 @@ class OpenAIServing:
         prompts = {id(c.prompt): len(c.prompt.token_ids) for c in choices}
         prompt_tokens = sum(prompts.values())
         completion_tokens = sum(c.num_tokens for c in choices)
-        return UsageInfo(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+        usage = UsageInfo(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+        if self.enable_prompt_tokens_details:
+            # Each prompt once, as in prompt_tokens: its first choice's hit (reversed: the first
+            # write wins), since n choices are n engine requests where vLLM has one.
+            cached = {id(c.prompt): c.num_cached_tokens for c in reversed(choices)}
+            usage.prompt_tokens_details = PromptTokenUsageInfo(sum(cached.values()))
+        return usage
 
     def _stream_error(self, e: Exception) -> bytes:
         if isinstance(e, OpenAIError):

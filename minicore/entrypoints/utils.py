@@ -31,11 +31,19 @@ class SSEResponse(StreamingResponse):
     gets to it."""
     media_type = "text/event-stream"
 
+    def __init__(self, content, *args, on_close=None, **kwargs):
+        super().__init__(content, *args, **kwargs)
+        self.on_close = on_close  # called once the stream has ended, however it ended
+
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()
+            try:
+                await self.body_iterator.aclose()
+            finally:
+                if self.on_close is not None:
+                    self.on_close()
 
 
 async def _until_disconnected(raw_request: Request) -> None:
