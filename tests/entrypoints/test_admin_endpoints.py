@@ -1,6 +1,7 @@
 """vLLM's operational endpoints and usage details (issue 15): /ping (GET and POST), /load with
 and without --enable-server-load-tracking, /reset_prefix_cache on every engine, and
-usage.prompt_tokens_details.cached_tokens only with --enable-prompt-tokens-details. Unit tests on
+usage.prompt_tokens_details.cached_tokens only with --enable-prompt-tokens-details, and serve's
+--chat-template applied by the frontend. Unit tests on
 test_api_unit's scripted client; one server on the simulated runner for the reset end to end."""
 
 import asyncio
@@ -115,6 +116,14 @@ async def test_cached_tokens_in_usage_only_with_prompt_tokens_details(client):
         r = await http.post("/v1/chat/completions", json=chat | {
             "stream": True, "stream_options": {"include_usage": True}})
         assert _events(r.text)[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": CACHED}
+
+
+async def test_chat_template_flag_formats_the_prompt(client):
+    client.config = create_engine_config(
+        max_model_len=64, chat_template="{% for m in messages %}<{{ m.content }}>{% endfor %}")
+    async with _http(client) as http:
+        r = await http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]})
+    assert client.tokenizer.decode(r.json()["tokens"]) == "<Hi>"
 
 
 def test_reset_prefix_cache_end_to_end_on_the_simulated_runner():
