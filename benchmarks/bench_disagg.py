@@ -111,7 +111,8 @@ def one_instance(serve_args: list[str], bench_args, result_dir) -> dict:
 def disaggregated(serve_args: list[str], bench_args, result_dir) -> dict:
     procs = Processes()
     try:
-        prefill = procs.start("serve", *serve_args, "--kv-transfer-config", kv_config("kv_producer"))
+        prefill = procs.start("serve", *serve_args, "--kv-transfer-config",
+                              kv_config("kv_producer"))
         decode = procs.start("serve", *serve_args, "--kv-transfer-config", kv_config("kv_consumer"))
         for url in (prefill, decode):
             procs.wait_healthy(url)

@@ -83,8 +83,8 @@ class NixlConnectorWorker:
         self._metadata: NixlAgentMetadata | None = None
         # Remote engine id -> (agent name, prepared descriptor list, its num_blocks).
         self._remote: dict[str, tuple[str, object, int]] = {}
-        # Reads in flight: request id -> (transfer handle, local block ids).
-        self._recving: dict[str, tuple[object, list[int]]] = {}
+        # Reads in flight: request id -> (transfer handle, local block ids, remote engine id).
+        self._recving: dict[str, tuple[object, list[int], str]] = {}
         self._failed_recving: set[str] = set()
         self._invalid_block_ids: set[int] = set()
         # Held requests and their deadlines; notifications that came before the request did.
@@ -146,6 +146,9 @@ class NixlConnectorWorker:
             sock.connect(f"tcp://{meta.remote_host}:{meta.remote_port}")
             sock.send(GET_META_MSG)
             peer = msgspec.msgpack.decode(sock.recv(), type=NixlAgentMetadata)
+        except zmq.Again:  # zmq says only "Resource temporarily unavailable"
+            raise TimeoutError(f"no handshake answer from {meta.remote_host}:{meta.remote_port} "
+                               f"within {self.handshake_timeout} s") from None
         finally:
             sock.close()
             ctx.term()
@@ -212,7 +215,7 @@ class NixlConnectorWorker:
         if self.agent.transfer(handle) == "ERR":
             self.agent.release_xfer_handle(handle)
             raise RuntimeError("NIXL could not post the READ")
-        self._recving[req_id] = (handle, local_ids)
+        self._recving[req_id] = (handle, local_ids, meta.remote_engine_id)
 
     def _fail(self, req_id: str, block_ids: list[int]) -> None:
         self._failed_recving.add(req_id)
@@ -224,7 +227,8 @@ class NixlConnectorWorker:
     def _get_finished_recving(self) -> set[str] | None:
         done = self._failed_recving
         self._failed_recving = set()
-        for req_id, (handle, block_ids) in list(self._recving.items()):
+        failed_engines = set()
+        for req_id, (handle, block_ids, remote_engine_id) in list(self._recving.items()):
             try:
                 state = self.agent.check_xfer_state(handle)
             except Exception as e:  # NIXL raises for a peer that went away mid-transfer
@@ -236,7 +240,13 @@ class NixlConnectorWorker:
             if state != "DONE":
                 logger.warning("KV read for request %s failed (%s): it recomputes", req_id, state)
                 self._invalid_block_ids.update(block_ids)
+                failed_engines.add(remote_engine_id)
             done.add(req_id)
+        # A peer that failed mid-transfer is forgotten too, as one that failed to start (after
+        # this step's handles to it are released): an instance restarted under the same engine
+        # id must be handshaken afresh.
+        for remote_engine_id in failed_engines:
+            self._forget_remote(remote_engine_id)
         return done or None
 
     def _get_finished_sending(self) -> set[str] | None:
@@ -270,7 +280,7 @@ class NixlConnectorWorker:
         if self._listener is not None:
             self._listener.join()
             self._listener = None
-        for handle, _ in self._recving.values():
+        for handle, _, _ in self._recving.values():
             self.agent.release_xfer_handle(handle)
         self._recving.clear()
         for remote_engine_id in list(self._remote):
