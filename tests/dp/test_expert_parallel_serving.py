@@ -3,20 +3,20 @@
 --enable-expert-parallel gives exactly the greedy tokens of one in-process engine without it.
 
 The requests are spread so that the ranks' token counts differ in every step, and so that rank 1
-runs dummy forwards (which must still meet rank 0's forwards in every MoE layer) both ways: idle
-with no request, and holding a request that the balance gate keeps it from scheduling. Rank 0 runs
-three requests of different lengths, which fill it (max_num_seqs 3: the gate closes on every rank);
-rank 1 runs a short one beside them, idles once it is done, and is then given a request that waits
-while rank 0 is full. Each rank says at startup which experts it kept. The random-trace tests
-(test_dp_traces.py) and a dying rank (test_dp_server.py) run with EP models too; the CLI's
-refusals are in tests/test_cli.py.
+runs dummy forwards (which must still meet rank 0's forwards in every MoE layer) both ways: with no
+request, and holding a request that the balance gate keeps it from scheduling. Rank 0 runs three
+requests of different lengths, which fill it (max_num_seqs 3: the gate closes on every rank), while
+rank 1 idles; once rank 0 is full, rank 1 gets a request, which waits until rank 0's shortest one
+ends and then runs beside the other two. Each rank says at startup which experts it kept. The
+random-trace tests (test_dp_traces.py) and a dying rank (test_dp_server.py) run with an EP model
+too; the CLI's refusals are in tests/test_cli.py.
 """
 
 import asyncio
 import random
 
 import pytest
-from dp_helpers import assert_all_engines_idle, dp_client, free_port_pair, wait_idle
+from dp_helpers import assert_all_engines_idle, dp_client, free_port_pair, wait_idle, wait_until
 from moe_models import FAMILIES, tiny_moe_config
 
 from minicore.config import create_engine_config
@@ -28,11 +28,11 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 ENGINE_ARGS = dict(max_model_len=256, kv_cache_memory=16 << 20)
 MAX_NUM_SEQS = 3
-# (rank, prompt length, max_tokens): rank 0's three fill it, rank 1's first ends after 3 steps;
-# LATE is sent to rank 1 then, and waits until rank 0's 10-token request ends.
-FIRST = [(0, 23, 12), (0, 5, 16), (0, 11, 10), (1, 3, 3)]
-LATE = (1, 9, 5)
-PLAN = [*FIRST, LATE]
+# (rank, prompt length, max_tokens). Rank 0's requests are sent first; GATED goes to rank 1 once
+# rank 0 runs all three, and waits some 30 steps, until rank 0's 32-token request ends.
+FIRST = [(0, 23, 40), (0, 5, 48), (0, 11, 32)]
+GATED = (1, 9, 12)
+PLAN = [*FIRST, GATED]
 TIMEOUT_S = 60
 
 
@@ -41,8 +41,7 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 async def served_tokens(client, prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
-    """Every request's tokens, in PLAN order, and rank 1's waiting counts from its frames after
-    LATE was sent."""
+    """Every request's tokens, in PLAN order, and rank 1's waiting counts from its frames."""
 
     async def run(i: int) -> list[int]:
         rank, _, max_tokens = PLAN[i]
@@ -59,15 +58,16 @@ async def served_tokens(client, prompts: list[list[int]]) -> tuple[list[list[int
             rank1_waiting.append(outputs.scheduler_stats.num_waiting_reqs)
         process_outputs(outputs)
 
-    first = [asyncio.create_task(run(i)) for i in range(len(FIRST))]
-    await first[-1]  # rank 1 is idle now, rank 0 still full
-    assert client.latest_stats[0].num_running_reqs == MAX_NUM_SEQS
     client._process_outputs = tap
     try:
-        late = await run(len(FIRST))
+        first = [asyncio.create_task(run(i)) for i in range(len(FIRST))]
+        await wait_until(lambda: 0 in client.latest_stats
+                         and client.latest_stats[0].num_running_reqs == MAX_NUM_SEQS, 10,
+                         "rank 0 runs max_num_seqs requests")
+        gated = await run(len(FIRST))
+        return [*await asyncio.gather(*first), gated], rank1_waiting
     finally:
         del client._process_outputs
-    return [*await asyncio.gather(*first), late], rank1_waiting
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
