@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import multiprocessing
 import os
-import socket
 import statistics
 import sys
 import time
@@ -25,25 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from minicore.utils import free_port_pair  # noqa: E402  (balance_study imports it from here)
+
 COLLECTIVES = ("all-gather", "all-reduce-max")
 WARMUP_ROUNDS = 20
-
-
-def free_port_pair() -> int:
-    """A port P with P + 1 free too: the DP group rendezvous on P, the engine handshake on P + 1."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + 1 >= 65535:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port pair found")
 
 
 def _probe_rank(rank: int, size: int, port: int, rounds: int, results) -> None:

@@ -1,10 +1,12 @@
-"""Small helpers shared by the frontend and the engine processes: ZMQ sockets and the GC heap.
+"""Small helpers shared by the frontend and the engine processes: ZMQ sockets, free ports and the
+GC heap.
 
-Mirrors make_zmq_socket (vllm/utils/network_utils.py) and freeze_gc_heap (vllm/utils/gc_utils.py).
-Left out: socket buffer tuning, IPv6 address parsing.
+Mirrors make_zmq_socket and get_open_port (vllm/utils/network_utils.py) and freeze_gc_heap
+(vllm/utils/gc_utils.py). Left out: socket buffer tuning, IPv6 address parsing.
 """
 
 import gc
+import socket
 
 import zmq
 
@@ -28,6 +30,24 @@ def make_zmq_socket(ctx: zmq.Context, address: str, socket_type: int, *, bind: b
     else:
         sock.connect(address)
     return sock
+
+
+def free_port_pair() -> int:
+    """A port P on 127.0.0.1 with P + 1 free too, just now: a DP deployment listens on both (the
+    group's rendezvous on P, the engines' handshake on P + 1), as do a NIXL side channel's peers."""
+    for _ in range(100):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            if port + 1 >= 65535:
+                continue
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no free pair of consecutive ports found")
 
 
 def freeze_gc_heap() -> None:

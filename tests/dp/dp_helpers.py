@@ -4,35 +4,17 @@ expected tokens. Every wait here has a deadline, so a hung rank fails a test ins
 
 import asyncio
 import contextlib
-import socket
 import time
 from collections.abc import Callable
 
 from minicore.config import SimulatedCost, create_engine_config
 from minicore.engine.async_llm import AsyncLLM
 from minicore.model.simulated import next_token, read_vocab
+from minicore.utils import free_port_pair  # noqa: F401  (the DP tests import it from here)
 
 STARTUP_TIMEOUT_S = 120
 # Waves end at the every-32-steps sync: even slow steps on a loaded machine end one well within this.
 IDLE_TIMEOUT_S = 15
-
-
-def free_port_pair() -> int:
-    """A free port P with P + 1 free too: the DP group's rendezvous is on P, the frontend's engine
-    handshake on P + 1."""
-    for _ in range(100):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            if port + 1 >= 65535:
-                continue
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no free pair of consecutive ports found")
 
 
 def simulated_dp_config(data_parallel_size: int, *, step_s: float = 0.002, **engine_args):

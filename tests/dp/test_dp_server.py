@@ -273,6 +273,17 @@ async def _long_stream(http: httpx.AsyncClient, rank: int, started: asyncio.Even
     return events, None
 
 
+async def _kill_mid_streams(http: httpx.AsyncClient, rank: psutil.Process) -> list:
+    """Kill rank while four long streams run (two pinned to each rank, each past its first
+    token); wait for /health to say 503 and return every stream's (events, error)."""
+    started = [asyncio.Event() for _ in range(4)]
+    streams = [asyncio.create_task(_long_stream(http, i % 2, started[i])) for i in range(4)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 30)
+    rank.kill()
+    await _poll(lambda: _status_is(http, "/health", 503), FAIL_FAST_S, "/health 503")
+    return await asyncio.wait_for(asyncio.gather(*streams), FAIL_FAST_S)
+
+
 async def test_killed_rank_fails_streams_and_stops_its_peer():
     rpc_port = free_port_pair()
     with ServerProcess(*SIMULATED, "--simulated-cost", '{"step_s": 0.01}',
@@ -281,15 +292,8 @@ async def test_killed_rank_fails_streams_and_stops_its_peer():
         rank0, rank1 = _engines_by_rank(server, rpc_port)
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as http, \
                 asyncio.timeout(90):
-            started = [asyncio.Event() for _ in range(4)]
-            streams = [asyncio.create_task(_long_stream(http, i % 2, started[i]))
-                       for i in range(4)]
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 30)
-
-            rank1.kill()
-            await _poll(lambda: _status_is(http, "/health", 503), FAIL_FAST_S, "/health 503")
             # Every stream ends, on both ranks: the survivor cannot go on without its peer.
-            results = await asyncio.wait_for(asyncio.gather(*streams), FAIL_FAST_S)
+            results = await _kill_mid_streams(http, rank1)
             for events, broken in results:
                 if broken is None:
                     assert "error" in events[-1], events[-1]
@@ -328,14 +332,7 @@ async def test_expert_parallel_rank_killed_mid_wave_is_reported_by_its_peer(moe_
                     if "spawn_main" in " ".join(p.cmdline())]
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as http, \
                 asyncio.timeout(90):
-            started = [asyncio.Event() for _ in range(4)]
-            streams = [asyncio.create_task(_long_stream(http, i % 2, started[i]))
-                       for i in range(4)]
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 30)
-
-            rank1.kill()
-            await _poll(lambda: _status_is(http, "/health", 503), FAIL_FAST_S, "/health 503")
-            results = await asyncio.wait_for(asyncio.gather(*streams), FAIL_FAST_S)
+            results = await _kill_mid_streams(http, rank1)
             assert any(broken is None for _, broken in results), results
             for events, broken in results:
                 if broken is None:

@@ -5,32 +5,18 @@ clearly."""
 
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from minicore.utils import free_port_pair
+
 ROOT = Path(__file__).resolve().parents[2]
 PEER = Path(__file__).with_name("nixl_peer.py")
 HAS_NIXL = importlib.util.find_spec("nixl") is not None and importlib.util.find_spec(
     "nixl._api") is not None
-
-
-def _free_port_pair() -> int:
-    """A port p with p and p + 1 free just now (the producer's and the consumer's listeners)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no two adjacent free ports")
 
 
 def _start(role: str, port: int) -> subprocess.Popen:
@@ -41,7 +27,7 @@ def _start(role: str, port: int) -> subprocess.Popen:
 
 @pytest.mark.skipif(not HAS_NIXL, reason="nixl is not installed (scripts/setup.sh installs it)")
 def test_two_processes_read_blocks_byte_for_byte():
-    port = _free_port_pair()
+    port = free_port_pair()
     producer = _start("producer", port)
     try:
         for line in producer.stdout:  # the handshake listener is up once it says ready
