@@ -160,6 +160,9 @@ class ModelConfig:
     device: str | None = _flag(None, "cpu, cuda or cuda:N (default: CUDA when available)")
     seed: int = _flag(0, "seeds the engine's random state, as vLLM's --seed: requests that bring "
                          "no seed of their own sample from it, so a fresh engine repeats them")
+    max_logprobs: int = _flag(
+        20, "most logprobs (and prompt logprobs) one request may ask for per token, as vLLM's "
+            "--max-logprobs; -1: no bound (the whole vocabulary)")
     chat_template: str | None = _flag(
         None, "the chat template: a file's path, or the template itself (default: the "
               "tokenizer's)")
@@ -188,6 +191,8 @@ class ModelConfig:
         if self.dtype not in get_args(ModelDType):
             raise ValueError(f"dtype must be one of {', '.join(get_args(ModelDType))}, "
                              f"got {self.dtype!r}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= -1, got {self.max_logprobs}")
         if self.generation_config != "vllm":
             raise ValueError(
                 f"--generation-config {self.generation_config}: minicore does not apply a "

@@ -14,7 +14,8 @@ they are sent. Frames on the wire:
 
 KV-transfer parameters travel as SamplingParams.kv_transfer_params (frontend -> engine) and
 EngineCoreOutput.kv_transfer_params (engine -> frontend, on a finishing request's output).
-Left out: multimodal features, LoRA, pooling, structured output, logprobs.
+Logprobs travel as LogprobsLists (vllm/v1/outputs.py): token ids, logprobs and ranks only; the
+frontend decodes the tokens. Left out: multimodal features, LoRA, pooling, structured output.
 """
 
 import enum
@@ -64,6 +65,15 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     current_wave: int = 0
 
 
+class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
+    """Logprobs of a run of positions (sampled tokens, or a chunk of prompt tokens)."""
+    # Per position: [the token's id, top-1 id, ..., top-N id].
+    logprob_token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    # The token's own rank in the whole vocabulary (1 = the most likely).
+    sampled_token_ranks: list[int]
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     request_id: str
     new_token_ids: list[int]
@@ -76,6 +86,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # instance's remote_engine_id, remote_block_ids, ... for the decode instance. None costs one
     # msgpack nil byte per output (array_like encodes every field; omit_defaults does not apply).
     kv_transfer_params: dict[str, Any] | None = None
+    # The new tokens' logprobs, and a chunk of prompt logprobs (the frontend puts None first for
+    # the first prompt token), for requests that asked.
+    new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs: LogprobsLists | None = None
 
     @property
     def finished(self) -> bool:

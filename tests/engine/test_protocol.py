@@ -10,6 +10,7 @@ from minicore.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
+    LogprobsLists,
     SchedulerStats,
     UtilityOutput,
 )
@@ -89,3 +90,17 @@ def test_invalid_sampling_params_fail_to_decode():
     assert invalid != valid
     with pytest.raises(msgspec.ValidationError, match="max_tokens must be >= 1"):
         msgspec.msgpack.Decoder(EngineCoreRequest).decode(invalid)
+
+
+def test_logprobs_fields_round_trip():
+    """Sampling extras reach the engine as sent; logprobs come back as LogprobsLists."""
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
+                            min_p=0.1, logit_bias={3: 1.5}, allowed_token_ids=[1, 3],
+                            bad_words_token_ids=[[4, 5]], logprobs=2, prompt_logprobs=0)
+    request = EngineCoreRequest("r", [1, 2], params, 2, 0.0)
+    decoded = round_trip(request, EngineCoreRequest)
+    assert decoded == request and decoded.sampling_params.logit_bias == {3: 1.5}
+    lists = LogprobsLists([[5, 5, 9]], [[-0.5, -0.5, -1.25]], [1])
+    output = EngineCoreOutput("r", [5], new_logprobs=lists,
+                              new_prompt_logprobs=LogprobsLists([[2]], [[-3.0]], [7]))
+    assert round_trip(output, EngineCoreOutput) == output
