@@ -15,10 +15,15 @@ they are sent. Frames on the wire:
 KV-transfer parameters travel as SamplingParams.kv_transfer_params (frontend -> engine) and
 EngineCoreOutput.kv_transfer_params (engine -> frontend, on a finishing request's output).
 Logprobs travel as LogprobsLists (vllm/v1/outputs.py): token ids, logprobs and ranks only; the
-frontend decodes the tokens. Left out: multimodal features, LoRA, pooling, structured output.
+frontend decodes the tokens. Request events (EngineCoreEvent: QUEUED, SCHEDULED, PREEMPTED,
+time.monotonic() in the engine) ride on the request's next EngineCoreOutput (vLLM:
+Request.take_events); the frontend takes only differences between them and the frame's timestamp
+(queue, prefill, decode and inference times).
+Left out: multimodal features, LoRA, pooling, structured output.
 """
 
 import enum
+import time
 from typing import Any
 
 import msgspec
@@ -74,6 +79,25 @@ class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
     sampled_token_ranks: list[int]
 
 
+class EngineCoreEventType(enum.IntEnum):
+    """The type of a request's engine event (vllm/v1/engine/__init__.py)."""
+    QUEUED = 1
+    SCHEDULED = 2
+    PREEMPTED = 3
+
+
+class EngineCoreEvent(msgspec.Struct, array_like=True, gc=False):
+    """A timestamped event of one request in the engine. The timestamp is time.monotonic() in the
+    engine process: only differences with the same engine's timestamps mean anything."""
+    type: EngineCoreEventType
+    timestamp: float
+
+    @classmethod
+    def new_event(cls, event_type: EngineCoreEventType,
+                  timestamp: float | None = None) -> "EngineCoreEvent":
+        return cls(event_type, time.monotonic() if timestamp is None else timestamp)
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     request_id: str
     new_token_ids: list[int]
@@ -90,6 +114,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # the first prompt token), for requests that asked.
     new_logprobs: LogprobsLists | None = None
     new_prompt_logprobs: LogprobsLists | None = None
+    # The request's engine events since its previous output (None: none).
+    events: list[EngineCoreEvent] | None = None
 
     @property
     def finished(self) -> bool:

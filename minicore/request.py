@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from minicore.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the wire records import this module
-    from minicore.protocol import EngineCoreRequest
+    from minicore.protocol import EngineCoreEvent, EngineCoreRequest
 
 
 class FinishReason(enum.IntEnum):
@@ -61,7 +61,8 @@ class Request:
                  "arrival_time", "priority", "cache_salt", "status", "stop_reason",
                  "all_token_ids", "output_token_ids", "num_prompt_tokens", "num_tokens",
                  "num_computed_tokens",
-                 "num_cached_tokens", "num_preemptions", "block_hashes", "kv_transfer_params")
+                 "num_cached_tokens", "num_preemptions", "block_hashes", "kv_transfer_params",
+                 "events")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_id: int | None = None,
@@ -93,6 +94,9 @@ class Request:
         # a copy, so that requests sharing one SamplingParams do not share it.
         params = sampling_params.kv_transfer_params
         self.kv_transfer_params = None if params is None else dict(params)
+        # QUEUED / SCHEDULED / PREEMPTED events the scheduler records, until the request's next
+        # output takes them (vLLM: record_event, take_events).
+        self.events: list["EngineCoreEvent"] = []
 
     @classmethod
     def from_engine_core_request(cls, request: "EngineCoreRequest") -> "Request":
@@ -112,6 +116,12 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self.num_tokens += 1
+
+    def take_events(self) -> "list[EngineCoreEvent] | None":
+        if not self.events:
+            return None
+        events, self.events = self.events, []
+        return events
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

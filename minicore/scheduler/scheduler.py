@@ -17,12 +17,14 @@ connector branch here is a single `is None` test.
 Left out: speculative decoding, encoders, LoRA, structured output, async scheduling.
 """
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from minicore.config import CacheConfig, SchedulerConfig
 from minicore.outputs import ModelRunnerOutput
-from minicore.protocol import EngineCoreOutput, SchedulerStats
+from minicore.protocol import (EngineCoreEvent, EngineCoreEventType, EngineCoreOutput,
+                               SchedulerStats)
 from minicore.request import Request, RequestStatus
 from minicore.scheduler.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from minicore.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -45,6 +47,8 @@ class _StepState:
     attribute would cost a lookup per request."""
     # long_prefill_token_threshold, or 0 when one request alone has nobody to starve.
     long_prefill_threshold: int
+    # time.monotonic() at the step's start: the SCHEDULED and PREEMPTED events' time, as vLLM.
+    timestamp: float
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
     new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -82,6 +86,7 @@ class Scheduler(RemoteKVMixin):
                              f"tokens, more than max_model_len ({self.max_model_len})")
         self.waiting.add_request(request)
         self.requests[request.request_id] = request
+        request.events.append(EngineCoreEvent.new_event(EngineCoreEventType.QUEUED))
 
     def finish_requests(self, request_ids, finished_status: RequestStatus) -> None:
         """Finish requests from outside (abort); unknown or already finished ids are ignored."""
@@ -150,12 +155,13 @@ class Scheduler(RemoteKVMixin):
             return victim
         return self.running.pop()
 
-    def _preempt_request(self, request: Request) -> None:
+    def _preempt_request(self, request: Request, timestamp: float) -> None:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        request.events.append(EngineCoreEvent(EngineCoreEventType.PREEMPTED, timestamp))
         self.waiting.prepend_request(request)
 
     def schedule(self) -> SchedulerOutput:
@@ -165,7 +171,8 @@ class Scheduler(RemoteKVMixin):
         if self.finished_recving_kv_req_ids:
             self._promote_received()
         threshold = self.scheduler_config.long_prefill_token_threshold
-        step = _StepState(threshold if len(self.running) + len(self.waiting) > 1 else 0)
+        step = _StepState(threshold if len(self.running) + len(self.waiting) > 1 else 0,
+                          time.monotonic())
         token_budget = self._schedule_running(step, self.max_num_scheduled_tokens)
         # A preemption means the KV cache is full: admitting now would only preempt again.
         if not step.preempted_reqs and not self._admission_gated():
@@ -241,7 +248,7 @@ class Scheduler(RemoteKVMixin):
                 kv.uncache_blocks_after(victim, victim.num_computed_tokens - num_victim_tokens)
                 step.cached_reqs.remove(victim.request_id)
                 req_index -= 1
-            self._preempt_request(victim)
+            self._preempt_request(victim, step.timestamp)
             step.preempted_reqs.append(victim)
             if victim is request:
                 return None, token_budget, req_index
@@ -290,6 +297,7 @@ class Scheduler(RemoteKVMixin):
                 connector.update_state_after_alloc(request, kv.get_blocks(request.request_id), 0)
             running.append(request)
             request.status = RUNNING
+            request.events.append(EngineCoreEvent(EngineCoreEventType.SCHEDULED, step.timestamp))
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
             request.num_computed_tokens = num_computed
@@ -343,7 +351,8 @@ class Scheduler(RemoteKVMixin):
                     break
             outputs.append(EngineCoreOutput(
                 req_id, new_token_ids, RequestStatus.get_finished_reason(status) if status else None,
-                request.stop_reason, request.num_cached_tokens))
+                request.stop_reason, request.num_cached_tokens,
+                events=request.take_events() if request.events else None))
         if finished and (kv_transfer_params := self._finish(finished)):
             for output in outputs:
                 output.kv_transfer_params = kv_transfer_params.get(output.request_id)
