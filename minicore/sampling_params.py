@@ -12,7 +12,7 @@ minicore has no extra_args and gives it a field of its own.
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -222,3 +222,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def parallel_sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The params of sample `index` of a request's n (vLLM's parallel sampling,
+    vllm/v1/engine/parallel_sampling.py): a seeded request's index-th sample uses seed + index,
+    wrapped to stay a 64-bit integer, so that the n samples differ and each repeats."""
+    if index == 0 or params.seed is None:
+        return params
+    return replace(params, seed=(params.seed + index - INT64_MIN) % 2**64 + INT64_MIN)

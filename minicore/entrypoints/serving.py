@@ -12,7 +12,6 @@ Left out: logprobs, echo, tools, guided decoding, beam search, multimodal conten
 """
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -51,7 +50,7 @@ from minicore.entrypoints.openai_protocol import (
 )
 from minicore.outputs import RequestOutput
 from minicore.protocol import EngineCoreRequest
-from minicore.sampling_params import INT64_MIN, SamplingParams
+from minicore.sampling_params import SamplingParams, parallel_sample_params
 
 logger = logging.getLogger(__name__)
 
@@ -195,10 +194,7 @@ class OpenAIServing:
             shared = Prompt(prompt if isinstance(prompt, str) else None,
                             engine_request.prompt_token_ids)
             for j in range(request.n):
-                # As vLLM's parallel sampling: the j-th sample of a seeded request uses seed + j
-                # (wrapped to stay a 64-bit integer).
-                p = params if j == 0 or params.seed is None else dataclasses.replace(
-                    params, seed=(params.seed + j - INT64_MIN) % 2**64 + INT64_MIN)
+                p = parallel_sample_params(params, j)
                 request_id = f"{response_id}-{len(choices)}"
                 choice_request = msgspec.structs.replace(engine_request, request_id=request_id,
                                                          sampling_params=p)
