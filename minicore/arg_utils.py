@@ -1,13 +1,21 @@
 """Argument helpers with vLLM's semantics, pure Python (minicore.config uses them).
 
-Mirrors vllm/utils/argparse_utils.py (human_readable_int) and the template loading of vLLM's
-chat utilities (load_chat_template). Left out: human_readable_int_or_auto (minicore does not derive
-max_model_len from the model).
+Mirrors vllm/utils/argparse_utils.py (human_readable_int), the template loading of vLLM's
+chat utilities (load_chat_template) and the generation-config reading of vllm/config/model.py
+(try_get_generation_config, get_diff_sampling_param). Left out: human_readable_int_or_auto
+(minicore does not derive max_model_len from the model), a generation config taken from
+config.json when a model has no generation_config.json, --override-generation-config.
 """
 
 import argparse
+import json
 import os
 import re
+from pathlib import Path
+
+# generation_config.json keys that are sampling defaults, in vLLM's order (get_diff_sampling_param).
+_SAMPLING_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature",
+                  "top_k", "top_p", "min_p", "max_new_tokens")
 
 # Characters that make a --chat-template value an inline template, not a file path (vLLM's rule).
 _JINJA_CHARS = "{}\n"
@@ -42,3 +50,38 @@ def resolve_chat_template(chat_template: str | None) -> str | None:
     except OSError as e:
         raise ValueError(f"chat_template {chat_template!r} looks like a file path, but it could "
                          f"not be read ({e.strerror}), and it is no inline template") from None
+
+
+def check_generation_config(value: str) -> None:
+    """--generation-config: 'auto' (the model's generation_config.json), 'vllm' (vLLM's neutral
+    sampling defaults) or a local folder holding a generation_config.json."""
+    if value in ("auto", "vllm"):
+        return
+    if not (Path(value).expanduser() / "generation_config.json").is_file():
+        raise ValueError(f"--generation-config {value!r} must be auto, vllm or a local folder "
+                         "holding a generation_config.json (minicore loads local files only; no "
+                         "downloads)")
+
+
+def read_generation_config(folder: str | os.PathLike) -> dict:
+    """A folder's generation_config.json as a dict; {} when it has none (vLLM too then goes on
+    with its own defaults)."""
+    path = Path(folder).expanduser() / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"could not read {path}: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    return config
+
+
+def diff_sampling_param(generation_config: dict) -> dict:
+    """The sampling defaults a generation config sets (vLLM's get_diff_sampling_param):
+    HF's max_new_tokens becomes max_tokens."""
+    diff = {k: generation_config[k] for k in _SAMPLING_KEYS if generation_config.get(k) is not None}
+    if "max_new_tokens" in diff:
+        diff["max_tokens"] = diff.pop("max_new_tokens")
+    return diff

@@ -17,11 +17,18 @@ run time get no flag:
 
 import argparse
 import json
+import os
 from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
 from types import NoneType, UnionType
 from typing import Any, Literal, get_args, get_origin
 
-from minicore.arg_utils import human_readable_int, resolve_chat_template
+from minicore.arg_utils import (
+    check_generation_config,
+    diff_sampling_param,
+    human_readable_int,
+    read_generation_config,
+    resolve_chat_template,
+)
 from minicore.kv_transfer.config import KVTransferConfig
 
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -166,11 +173,11 @@ class ModelConfig:
     chat_template: str | None = _flag(
         None, "the chat template: a file's path, or the template itself (default: the "
               "tokenizer's)")
-    # vLLM's default, 'auto', reads the model's generation_config.json sampling defaults, which
-    # minicore does not apply yet (issue 15): refused rather than silently not honoured.
     generation_config: str = _flag(
-        "vllm", "vllm: vLLM's sampling defaults, the model's generation_config.json ignored "
-                "(minicore's only mode for now: 'auto' and a folder path are refused)")
+        "auto", "where unset sampling fields take their defaults from, as vLLM's flag: auto: the "
+                "model's generation_config.json (temperature, top_p, top_k, min_p, penalties, "
+                "max_new_tokens); vllm: vLLM's neutral defaults; or a folder holding a "
+                "generation_config.json. Its eos_token_id list adds stop ids in every mode")
     trust_remote_code: bool = _flag(
         False, "accepted for vLLM's command lines; no effect: minicore runs only the model "
                "classes built into transformers and never runs a model's own code")
@@ -193,12 +200,27 @@ class ModelConfig:
                              f"got {self.dtype!r}")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= -1, got {self.max_logprobs}")
-        if self.generation_config != "vllm":
-            raise ValueError(
-                f"--generation-config {self.generation_config}: minicore does not apply a "
-                "model's generation_config.json defaults yet; only 'vllm' (vLLM's sampling "
-                "defaults, generation_config ignored) is supported")
+        check_generation_config(self.generation_config)
         resolve_chat_template(self.chat_template)  # a file that cannot be read: refused now
+
+    def try_get_generation_config(self) -> dict:
+        """--generation-config's generation_config.json (the model's for auto and vllm: its
+        eos_token_id matters in every mode, as in vLLM), {} if there is none."""
+        if self.generation_config not in ("auto", "vllm"):
+            return read_generation_config(self.generation_config)
+        folder = self.model
+        if folder is None or not os.path.isdir(folder):
+            # The default model or a GGUF: its cached safetensors conversion (made at load).
+            from minicore.model.loader import resolve_model_dir
+
+            folder = resolve_model_dir(self.model)
+        return read_generation_config(folder)
+
+    def get_diff_sampling_param(self) -> dict:
+        """The generation config's defaults for unset sampling fields ({} with vllm)."""
+        if self.generation_config == "vllm":
+            return {}
+        return diff_sampling_param(self.try_get_generation_config())
 
 
 @dataclass(slots=True)

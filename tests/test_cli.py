@@ -224,8 +224,7 @@ def test_accepted_no_op_flags_say_so_in_help(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["-tp", "2"], "--tensor-parallel-size 2 is not supported by minicore"),
     (["--pipeline-parallel-size", "4"], "--pipeline-parallel-size 4 is not supported by minicore"),
-    (["--generation-config", "auto"], "--generation-config auto: minicore does not apply"),
-    (["--generation-config", "/models/x"], "--generation-config /models/x: minicore does not"),
+    (["--generation-config", "/models/x"], "--generation-config '/models/x' must be auto, vllm"),
     (["--chat-template", "/no/such/template.jinja"], "looks like a file path, but it could not"),
     (["Qwen/Qwen3-0.6B"], "minicore loads local models only; no downloads: model "
                           "'Qwen/Qwen3-0.6B' is not a local file or directory"),
