@@ -9,9 +9,17 @@ Mirrors vLLM v1's attention backend layer, reduced to a torch implementation:
   ``FlashAttentionBackend.get_kv_cache_shape`` (``vllm/v1/attention/backends/flash_attn.py``), and
   the cache write is ``reshape_and_cache_flash``;
 - the attention itself follows the torch SDPA path of ``vllm/v1/attention/backends/cpu_attn.py``:
-  one batched SDPA call for all single-token (decode) sequences, one call per prefill sequence.
-Left out: flash-attn / other CUDA kernels, sliding windows, ALiBi, logit soft-capping, sinks,
-cascade attention, quantized (fp8) KV caches and padded slots (``-1``) for CUDA graphs.
+  one batched SDPA call for all single-token (decode) sequences, one call per prefill sequence;
+- sliding windows and attention-logit soft-capping as ``FlashAttentionImpl`` takes them
+  (``sliding_window``, ``logits_soft_cap``; Gemma2 / Gemma3, Mistral, ...): a key is seen from
+  ``sliding_window - 1`` positions back, and capped scores are ``cap * tanh(score / cap)``, computed
+  in plain torch since SDPA has no soft-cap. The cache still keeps every position of a sequence.
+``compute_logits`` is the matching piece of ``LogitsProcessor`` (``vllm/model_executor/layers/
+logits_processor.py``): the per-family scale and final soft-cap that transformers applies in its
+``*ForCausalLM.forward``, which minicore bypasses to run the LM head on sampling rows only.
+Left out: flash-attn / other CUDA kernels, ALiBi, sinks, multi-head latent attention (the loader
+refuses such models: ``minicore.model.loader.check_attention_supported``), cascade attention,
+quantized (fp8) KV caches and padded slots (``-1``) for CUDA graphs.
 
 The model is fed one packed batch: ``input_ids`` and ``position_ids`` of shape ``[1, T]``, with
 ``use_cache=False`` and the metadata as the ``minicore_meta`` keyword argument, which transformers
@@ -48,6 +56,7 @@ class AttentionMetadata:
     decode_tokens: torch.Tensor  # [Bd] int64, their token rows
     decode_block_tables: torch.Tensor  # [Bd, blocks of the longest] int64
     decode_mask: torch.Tensor  # [Bd, 1, 1, blocks * block_size] bool, True below seq_len
+    decode_seq_lens: torch.Tensor  # [Bd, 1, 1, 1] int64, their seq_lens (for sliding windows)
     prefill_seqs: list[int]  # the other sequences, attended one by one
 
     @classmethod
@@ -84,6 +93,7 @@ class AttentionMetadata:
             decode_tokens=qsl[decodes].to(device),
             decode_block_tables=tables[decodes, :decode_blocks].to(device),
             decode_mask=decode_mask[:, None, None, :].to(device),
+            decode_seq_lens=seq_lens[decodes].view(-1, 1, 1, 1).to(device),
             prefill_seqs=(new > 1).nonzero().flatten().tolist(),
         )
 
@@ -116,6 +126,20 @@ def attn_implementation(model: PreTrainedModel, name: str):
         model.set_attn_implementation(old)
 
 
+def compute_logits(config, logits: torch.Tensor) -> torch.Tensor:
+    """float32 logits from the LM head's output, as transformers' causal LM heads finish them:
+    Cohere's ``logit_scale`` multiplies, Granite's ``logits_scaling`` divides, Gemma2/3's
+    ``final_logit_softcapping`` caps (``cap * tanh(logits / cap)``)."""
+    logits = logits.float()
+    if (scale := getattr(config, "logit_scale", None)) is not None:
+        logits = logits * scale
+    if (divisor := getattr(config, "logits_scaling", None)) is not None:
+        logits = logits / divisor
+    if (cap := getattr(config, "final_logit_softcapping", None)) is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
 def _no_mask(**kwargs) -> None:
     return None
 
@@ -131,24 +155,31 @@ def paged_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: ``query`` is ``[1, heads, T, head_dim]``, ``key`` and
-    ``value`` are ``[1, kv_heads, T, head_dim]``; returns ``([1, T, heads, head_dim], None)``."""
+    ``value`` are ``[1, kv_heads, T, head_dim]``; returns ``([1, T, heads, head_dim], None)``.
+    ``sliding_window`` and ``softcap`` come as transformers passes them (Qwen2-MoE sets the window
+    on the module only, so that is the fallback)."""
     meta: AttentionMetadata | None = kwargs.get(META_KWARG)
     if meta is None:
         raise ValueError(
             f"{ATTN_IMPLEMENTATION!r} attention needs the {META_KWARG}= forward argument; "
             "use model.set_attn_implementation('sdpa') for a plain forward"
         )
+    if kwargs.get("s_aux") is not None:  # a model the loader's check missed: never a wrong answer
+        raise ValueError(f"{ATTN_IMPLEMENTATION!r} attention does not support attention sinks")
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    softcap = kwargs.get("softcap")
     kv_cache = meta.kv_caches[module.layer_idx]
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, head_dim]
     write_kv_cache(kv_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     if meta.decode_tokens.numel():
-        decoded = _decode_attention(q[meta.decode_tokens], kv_cache, meta, scaling)
+        decoded = _decode_attention(q[meta.decode_tokens], kv_cache, meta, scaling, window,
+                                    softcap)
         out.index_copy_(0, meta.decode_tokens, decoded)
     for i in meta.prefill_seqs:
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         k_seq, v_seq = _sequence_kv(k[start:end], v[start:end], kv_cache, meta, i)
-        out[start:end] = _prefill_attention(q[start:end], k_seq, v_seq, scaling)
+        out[start:end] = _prefill_attention(q[start:end], k_seq, v_seq, scaling, window, softcap)
     return out.unsqueeze(0), None
 
 
@@ -172,14 +203,27 @@ def _gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
 
 
 def _decode_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scaling: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scaling: float,
+    window: int | None,
+    softcap: float | None,
 ) -> torch.Tensor:
-    """All single-query sequences in one SDPA call over their padded KV, masked by length. GQA:
-    the query heads sharing a KV head become that head's query rows (no KV repeat)."""
+    """All single-query sequences in one call over their padded KV, masked by length (and by the
+    window: the last ``window`` keys). GQA: the query heads sharing a KV head become that head's
+    query rows (no KV repeat)."""
     num_seqs, num_heads, head_dim = q.shape
     k, v = _gather_kv(kv_cache, meta.decode_block_tables)
     q = q.view(num_seqs, k.shape[1], num_heads // k.shape[1], head_dim)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scaling)
+    mask = meta.decode_mask
+    if window is not None:
+        kv_pos = torch.arange(mask.shape[-1], device=mask.device)
+        mask = mask & (kv_pos >= meta.decode_seq_lens - window)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    else:
+        out = _softcapped_attention(q, k, v, mask, scaling, softcap)
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
@@ -202,21 +246,51 @@ def _sequence_kv(
 
 
 def _prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scaling: float,
+    window: int | None,
+    softcap: float | None,
 ) -> torch.Tensor:
     """Causal attention of one sequence's last ``Lq`` positions (``q``: ``[Lq, heads, head_dim]``)
-    over its ``Lk`` keys: query ``i`` sees key positions ``<= Lk - Lq + i``."""
-    q = q.transpose(0, 1).unsqueeze(0)  # [1, heads, Lq, head_dim]
-    num_queries, num_keys = q.shape[2], k.shape[2]
-    if num_queries == num_keys:
-        mask, causal = None, True
-    else:
+    over its ``Lk`` keys: query ``i`` sees key positions ``<= Lk - Lq + i`` (and, with a window,
+    ``> Lk - Lq + i - window``)."""
+    num_queries, num_heads, head_dim = q.shape
+    num_kv_heads, num_keys = k.shape[1], k.shape[2]
+    mask = None
+    if num_queries != num_keys or window is not None or softcap is not None:
         kv_pos = torch.arange(num_keys, device=q.device)
-        mask, causal = kv_pos[None, :] <= kv_pos[num_keys - num_queries :, None], False
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=True
-    )
-    return out[0].transpose(0, 1)
+        q_pos = kv_pos[num_keys - num_queries :, None]
+        mask = kv_pos[None, :] <= q_pos
+        if window is not None:
+            mask = mask & (kv_pos[None, :] > q_pos - window)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask, is_causal=mask is None,
+            scale=scaling, enable_gqa=True,
+        )
+        return out[0].transpose(0, 1)
+    # GQA as in _decode_attention: q [kv_heads, group, Lq, head_dim], k, v [kv_heads, 1, Lk, ...]
+    q = q.transpose(0, 1).reshape(num_kv_heads, num_heads // num_kv_heads, num_queries, head_dim)
+    out = _softcapped_attention(q, k[0].unsqueeze(1), v[0].unsqueeze(1), mask, scaling, softcap)
+    return out.reshape(num_heads, num_queries, head_dim).transpose(0, 1)
+
+
+def _softcapped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float,
+    softcap: float,
+) -> torch.Tensor:
+    """softmax(cap * tanh(q k^T * scaling / cap)) v under a boolean ``mask``, in plain torch as
+    transformers' eager attention computes it (SDPA has no soft-cap)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def _pad_tables(

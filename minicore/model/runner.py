@@ -12,7 +12,8 @@ import logging
 import torch
 
 from minicore.config import EngineConfig
-from minicore.model.attention import AttentionMetadata, kv_cache_shape, use_paged_attention
+from minicore.model.attention import (AttentionMetadata, compute_logits, kv_cache_shape,
+                                      use_paged_attention)
 from minicore.model.sampler import SamplingMetadata, sample
 from minicore.model.runner_base import CachedRequestState, ModelRunnerBase
 from minicore.outputs import ModelRunnerOutput
@@ -112,7 +113,7 @@ class ModelRunner(ModelRunnerBase):
             hidden = self._forward(input_ids, meta)
             if sampling_rows:
                 last_token = [meta.query_start_loc_cpu[row + 1] - 1 for row in sampling_rows]
-                logits = self.lm_head(hidden[last_token]).float()
+                logits = compute_logits(self.model.config, self.lm_head(hidden[last_token]))
                 tokens = sample(logits, self._sampling_metadata([states[r] for r in sampling_rows]))
                 for row, token in zip(sampling_rows, tokens.tolist()):
                     states[row].token_ids.append(token)
