@@ -67,6 +67,8 @@ class RequestStateStats:
     last_token_ts: float = 0.0
     first_token_latency: float = 0.0
     num_generation_tokens: int = 0
+    # PREEMPTED events seen (vLLM's RequestStateStats.num_preemptions).
+    num_preemptions: int = 0
 
 
 @dataclass(slots=True)

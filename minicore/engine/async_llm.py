@@ -157,7 +157,7 @@ class AsyncLLM:
         if outputs.scheduler_stats is not None:
             self.latest_stats[outputs.engine_index] = outputs.scheduler_stats
         if outputs.outputs:
-            processed = self.output_processor.process_outputs(outputs.outputs)
+            processed = self.output_processor.process_outputs(outputs.outputs, outputs.timestamp)
             if processed.reqs_to_abort:
                 # Stop strings ended them here: the engine does not know.
                 self.engine_core.abort_requests(processed.reqs_to_abort)

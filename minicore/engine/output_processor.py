@@ -3,8 +3,11 @@
 Mirrors vllm/v1/engine/output_processor.py: OutputProcessor keeps a RequestState per request,
 detokenizes incrementally, applies stop strings (the engine only knows stop tokens, so a stop
 string finishes the request here and the caller aborts it in the engine; a request the engine
-refused ends its stream with InvalidRequestError), keeps the timestamps
-metrics need, and hands results over: to the request's RequestOutputCollector (AsyncLLM's
+refused ends its stream with InvalidRequestError), keeps each request's RequestStateStats as
+vLLM's IterationStats.update_from_output/update_from_events do (queued and scheduled times from the
+engine's events, first and last token times from the engine's frame timestamps, so that queue,
+prefill, decode and inference times are differences of one engine's clock; the time to first token
+is the frontend's own), and hands results over: to the request's RequestOutputCollector (AsyncLLM's
 streams) or, for a request without one (the offline LLM), as a RequestOutput once it finishes.
 Streaming holds back the last len(longest stop string) - 1 characters until they cannot start a
 stop string any more. Left out: logprobs, n > 1 fan-out, pooling outputs, iteration stats objects
@@ -18,8 +21,8 @@ from dataclasses import dataclass, field
 
 from minicore.engine.detokenizer import IncrementalDetokenizer
 from minicore.engine.input_processor import InvalidRequestError
-from minicore.outputs import CompletionOutput, RequestOutput
-from minicore.protocol import EngineCoreOutput, EngineCoreRequest
+from minicore.outputs import CompletionOutput, RequestOutput, RequestStateStats
+from minicore.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreRequest
 from minicore.request import FinishReason
 from minicore.sampling_params import SamplingParams
 
@@ -72,8 +75,8 @@ class RequestState:
         # The KV connector's params from the engine's final output (disaggregated prefill).
         self.kv_transfer_params: dict | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.first_token_time: float | None = None
-        self.last_token_time: float | None = None
+        self.sampling_params = params
+        self.stats = RequestStateStats(arrival_time=self.arrival_time)
 
     @property
     def finished(self) -> bool:
@@ -82,9 +85,6 @@ class RequestState:
     def process(self, output: EngineCoreOutput) -> bool:
         """Take one engine output; True if a stop string ended the request here (the caller must
         then abort it in the engine, which does not know it is done)."""
-        now = time.monotonic()
-        self.first_token_time = self.first_token_time or now
-        self.last_token_time = now
         self.token_ids.extend(output.new_token_ids)
         self.num_cached_tokens = output.num_cached_tokens
         if output.finished:
@@ -96,6 +96,31 @@ class RequestState:
         stopped_here = not output.finished
         self.finish_reason, self.stop_reason = "stop", stop
         return stopped_here
+
+    def update_stats(self, output: EngineCoreOutput, engine_core_timestamp: float) -> float | None:
+        """Take the output's engine events and its frame's timestamp into self.stats (vLLM's
+        IterationStats.update_from_output and update_from_events); returns the inter-token
+        latency (engine clock), None for the first tokens or an output without tokens."""
+        stats = self.stats
+        for event in output.events or ():
+            if event.type == EngineCoreEventType.QUEUED:
+                stats.queued_ts = event.timestamp
+            elif event.type == EngineCoreEventType.SCHEDULED:
+                if not stats.scheduled_ts:  # rescheduled after a preemption: keep the first
+                    stats.scheduled_ts = event.timestamp
+            else:
+                stats.num_preemptions += 1
+        if not output.new_token_ids:
+            return None
+        interval = None
+        if not stats.num_generation_tokens:
+            stats.first_token_latency = time.monotonic() - stats.arrival_time
+            stats.first_token_ts = engine_core_timestamp
+        else:
+            interval = engine_core_timestamp - stats.last_token_ts
+        stats.num_generation_tokens += len(output.new_token_ids)
+        stats.last_token_ts = engine_core_timestamp
+        return interval
 
     def streamable_text(self) -> str:
         """The text that can be sent: all of it once finished, else all but what could still turn
@@ -123,10 +148,12 @@ class OutputProcessorOutput:
 class OutputProcessor:
     """Hooks for metrics (plain attributes, None by default), called as outputs are processed:
       on_new_tokens(state, num_new_tokens, interval_s): after each engine output that brought
-        tokens; interval_s is the time since the request's previous output, None for its first
-        (then the time to first token is state.first_token_time - state.arrival_time).
+        tokens; interval_s is the inter-token latency since the request's previous output (engine
+        clock), None for its first (then state.stats.first_token_latency is the time to first
+        token).
       on_request_finished(state): once per request that finished (state.finish_reason "stop",
-        "length" or "abort"), aborts included; not for requests failed by a dead engine.
+        "length", "error" or "abort"), aborts included; not for requests failed by a dead engine.
+      on_iteration_end(): after each process_outputs call (one engine frame: vLLM's iteration).
     """
 
     def __init__(self, tokenizer):
@@ -134,6 +161,7 @@ class OutputProcessor:
         self.request_states: dict[str, RequestState] = {}
         self.on_new_tokens: Callable[[RequestState, int, float | None], None] | None = None
         self.on_request_finished: Callable[[RequestState], None] | None = None
+        self.on_iteration_end: Callable[[], None] | None = None
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
@@ -147,18 +175,21 @@ class OutputProcessor:
         self.request_states[request.request_id] = state
         return state
 
-    def process_outputs(self, outputs: Iterable[EngineCoreOutput]) -> OutputProcessorOutput:
+    def process_outputs(self, outputs: Iterable[EngineCoreOutput],
+                        engine_core_timestamp: float | None = None) -> OutputProcessorOutput:
+        """engine_core_timestamp: the frame's EngineCoreOutputs.timestamp (the engine's
+        time.monotonic()); None in the engine's own process (the offline LLM): now."""
+        if engine_core_timestamp is None:
+            engine_core_timestamp = time.monotonic()
         result = OutputProcessorOutput()
         states = self.request_states
         for output in outputs:
             if (state := states.get(output.request_id)) is None:
                 continue  # aborted here while the engine was producing it
-            previous_token_time = state.last_token_time
+            interval = state.update_stats(output, engine_core_timestamp)
             if state.process(output):
                 result.reqs_to_abort.append(output.request_id)
             if self.on_new_tokens is not None and output.new_token_ids:
-                interval = (None if previous_token_time is None
-                            else state.last_token_time - previous_token_time)
                 self.on_new_tokens(state, len(output.new_token_ids), interval)
             if state.queue is not None:
                 if output.finish_reason is FinishReason.ERROR:
@@ -171,6 +202,8 @@ class OutputProcessor:
                 self._finish(state)
                 if state.queue is None:
                     result.request_outputs.append(state.make_request_output())
+        if self.on_iteration_end is not None:
+            self.on_iteration_end()
         return result
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[RequestState]:

@@ -128,7 +128,7 @@ class ServerMetrics:
         interval seconds after its previous output (None: these are its first)."""
         engine = state.engine_index
         if interval is None:
-            self._ttft[engine].observe(state.first_token_time - state.arrival_time)
+            self._ttft[engine].observe(state.stats.first_token_latency)
             num_prompt = len(state.prompt_token_ids)
             self._prompt_tokens[engine].inc(num_prompt)
             self.num_prompt_tokens[engine] += num_prompt
