@@ -6,6 +6,7 @@ Mirrors vllm/entrypoints/cli/ in spirit: one subcommand per entry point, flags w
 import argparse
 import logging
 import os
+import re
 import sys
 
 from minicore.config import add_engine_cli_args, create_engine_config, engine_kwargs_from_cli
@@ -38,10 +39,21 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "found in the prefix cache) to responses, as vLLM's")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
+    parser.add_argument("--metrics-prefix", type=_metrics_prefix, default="vllm",
+                        help="the /metrics names' prefix (default vllm: vLLM's names, for its "
+                             "dashboards and aiperf; e.g. minicore to tell both apart)")
     groups = add_engine_cli_args(parser)
     groups["data parallel"].add_argument(
         "--headless", action="store_true",
         help="run only this machine's DP ranks, for a frontend on another machine")
+
+
+def _metrics_prefix(text: str) -> str:
+    """A Prometheus name prefix: letters, digits and underscores, not starting with a digit."""
+    if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a metric name prefix (letters, digits, _; no leading digit)")
+    return text
 
 
 def check_local_paths(config) -> None:

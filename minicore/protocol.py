@@ -130,6 +130,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    # Of num_waiting_reqs, those parked while a KV connector loads their KV (vLLM counts them
+    # apart, as num_skipped_waiting_reqs: num_requests_waiting_by_reason{reason="deferred"}).
+    num_deferred_waiting_reqs: int = 0
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -264,9 +264,12 @@ async def run_server(config: EngineConfig, args) -> None:
     try:
         model_names = args.served_model_name or [client.model_name]
         num_engines = config.parallel_config.data_parallel_size
-        metrics = ServerMetrics(model_names[0], num_engines, lambda: client.latest_stats)
+        metrics = ServerMetrics(model_names[0], num_engines, lambda: client.latest_stats,
+                                prefix=args.metrics_prefix, config=config,
+                                num_blocks=client.num_blocks)
         client.output_processor.on_new_tokens = metrics.on_new_tokens
         client.output_processor.on_request_finished = metrics.on_request_finished
+        client.output_processor.on_iteration_end = metrics.on_iteration_end
         serving = OpenAIServing(client, model_names, args.enable_prompt_tokens_details)
         app = build_app(client, serving, metrics, args.api_key, not args.disable_log_stats,
                         args.enable_server_load_tracking)

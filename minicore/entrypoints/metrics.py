@@ -1,16 +1,32 @@
 """Server metrics: Prometheus exposition for /metrics and the periodic stats log line.
 
-Mirrors vllm/v1/metrics/loggers.py (PrometheusStatLogger, LoggingStatLogger) with vLLM's metric
-names under a `minicore:` prefix, each labelled by model_name and engine. Two sources feed them:
-the engines' SchedulerStats (running, waiting, KV cache usage, and the cumulative prefix-cache and
-preemption counters, which become Prometheus counters as they are, at scrape time) and the
-frontend's view of each request (tokens, time to first token, inter-token latency, end-to-end
-latency, finish reason), recorded by OutputProcessor's hooks as each engine output is
-processed, as vLLM's output processor does (so a slow reader does not skew them). Left
-out: queue/prefill/decode time splits, per-request token histograms, spec-decode and LoRA metrics.
+Mirrors vllm/v1/metrics/loggers.py (PrometheusStatLogger, LoggingStatLogger) and the buckets of
+vllm/v1/metrics/buckets.py: vLLM's metric names, help texts, buckets and labels (model_name and
+engine="<DP rank>" on every series, as vLLM; no aggregate series, so sum() over engines is the
+total). Two sources feed them: the engines' SchedulerStats (running, waiting, KV cache usage, and
+the cumulative prefix-cache and preemption counters, which become Prometheus counters as they are,
+at scrape time) and the frontend's RequestState of each request (tokens, its RequestStateStats
+with the engine's QUEUED/SCHEDULED events and frame timestamps), recorded by OutputProcessor's
+hooks as each engine frame is processed, as vLLM's IterationStats (so a slow reader does not skew
+them). Process and Python collectors (process_*, python_*) are on the registry, as on vLLM's.
+
+The prefix (--metrics-prefix) is `vllm` by default, so vLLM's Grafana dashboard, aiperf's server
+metrics views and alerts written for vLLM read minicore unchanged; a fleet that scrapes both
+vLLM and minicore into one Prometheus can pass `--metrics-prefix minicore` to keep them apart
+(the model_name label alone would mix them).
+
+Deviations: a request aborted by its client (frontend abort) counts in request_success with
+finished_reason="abort" (vLLM counts only engine-finished requests) but is observed in no
+histogram (as vLLM). request_params_n and request_max_num_generation_tokens are observed per
+engine request: the server runs n choices as n engine requests (vLLM: once per parent request).
 The prefix cache hit rate in the log line is since start (vLLM: over the last 1000 requests).
+Left out (nothing in minicore to measure): spec decoding, LoRA, multimodal cache, KV connector
+transfer stats and external prefix cache, KV block residency (--kv-cache-metrics), NaN-corrupted
+and watermark requests, admission rejections (no queue limits), prompt tokens by source, perf
+(MFU) stats.
 """
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -18,27 +34,49 @@ from collections.abc import Callable
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
 
+from minicore.config import CacheConfig, EngineConfig
 from minicore.engine.output_processor import RequestState
 from minicore.protocol import SchedulerStats
+from minicore.request import FinishReason
 
 logger = logging.getLogger("minicore.stats")
 
-# vLLM's buckets (vllm/v1/metrics/loggers.py).
+DEFAULT_PREFIX = "vllm"
+
+# vLLM's bucket families (vllm/v1/metrics/buckets.py).
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
 ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                10.0, 20.0, 40.0, 80.0]
-E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+REQUEST_PARAMS_N_BUCKETS = [1, 2, 5, 10, 20]
+REQUEST_NUM_PREEMPTIONS_BUCKETS = [1, 2, 3, 4, 5, 10, 20]
 LABELS = ["model_name", "engine"]
 
 StatsSource = Callable[[], dict[int, SchedulerStats]]
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value: vLLM's request_tokens family (max_model_len)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
 
 
 # (metric, help, SchedulerStats field): engine state, read from the latest stats at scrape time.
@@ -53,33 +91,88 @@ ENGINE_COUNTERS = (
      "prefix_cache_queries"),
     ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
      "prefix_cache_hits"),
-    ("num_preemptions", "Cumulative number of preemptions from the engine.", "num_preemptions"),
+    ("num_preemptions", "Cumulative number of preemption from the engine.", "num_preemptions"),
+)
+WAITING_BY_REASON_HELP = (
+    "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling "
+    "capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked "
+    "status). Sum of all reasons equals {prefix}:num_requests_waiting.")
+SLEEP_STATE_HELP = (
+    "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
+    "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.")
+
+# (attribute, metric, help, bucket family): the per-request histograms, as vLLM's.
+HISTOGRAMS = (
+    ("ttft", "time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+     TTFT_BUCKETS),
+    ("itl", "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+     ITL_BUCKETS),
+    ("tpot", "request_time_per_output_token_seconds",
+     "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS),
+    ("e2e", "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+     REQUEST_LATENCY_BUCKETS),
+    ("queue", "request_queue_time_seconds",
+     "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS),
+    ("inference", "request_inference_time_seconds",
+     "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS),
+    ("prefill", "request_prefill_time_seconds",
+     "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS),
+    ("decode", "request_decode_time_seconds",
+     "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS),
+    ("preemptions", "request_num_preemptions",
+     "Histogram of the number of times a request was preempted.",
+     REQUEST_NUM_PREEMPTIONS_BUCKETS),
+    ("iteration_tokens", "iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+     ITERATION_TOKENS_BUCKETS),
+    ("n", "request_params_n", "Histogram of the n request parameter.", REQUEST_PARAMS_N_BUCKETS),
+    # None: the request_tokens family (1-2-5 up to max_model_len).
+    ("prompt_len", "request_prompt_tokens", "Number of prefill tokens processed.", None),
+    ("generation_len", "request_generation_tokens", "Number of generation tokens processed.",
+     None),
+    ("max_generation", "request_max_num_generation_tokens",
+     "Histogram of maximum number of requested generation tokens.", None),
+    ("max_tokens", "request_params_max_tokens",
+     "Histogram of the max_tokens request parameter.", None),
+    ("prefill_kv_computed", "request_prefill_kv_computed_tokens",
+     "Histogram of new KV tokens computed during prefill (excluding cached tokens).", None),
+)
+COUNTERS = (
+    ("prompt_tokens", "prompt_tokens", "Number of prefill tokens processed."),
+    ("generation_tokens", "generation_tokens", "Number of generation tokens processed."),
+    ("prompt_tokens_cached", "prompt_tokens_cached",
+     "Number of cached prompt tokens (local + external)."),
 )
 
 
 class SchedulerStatsCollector:
-    """A custom Prometheus collector over the engines' latest SchedulerStats. With several (DP)
-    engines each series also has engine="all": the sum over the engines (the mean for KV cache
-    usage), so leave it out when summing by hand: sum(...{engine!="all"})."""
+    """A custom Prometheus collector over the engines' latest SchedulerStats, one series per
+    engine (no aggregate: sum() over engine is the total, as on vLLM)."""
 
-    def __init__(self, model_name: str, stats: StatsSource):
-        self.model_name, self.stats = model_name, stats
+    def __init__(self, prefix: str, model_name: str, stats: StatsSource):
+        self.prefix, self.model_name, self.stats = prefix, model_name, stats
 
     def collect(self):
         stats = [(str(engine), s) for engine, s in sorted(self.stats().items())]
-        if len(stats) > 1:
-            stats.append(("all", sum_stats([s for _, s in stats])))
         for family, table in ((GaugeMetricFamily, ENGINE_GAUGES),
                               (CounterMetricFamily, ENGINE_COUNTERS)):
             for name, doc, field in table:
-                metric = family(f"minicore:{name}", doc, labels=LABELS)
+                metric = family(f"{self.prefix}:{name}", doc, labels=LABELS)
                 for engine, s in stats:
                     metric.add_metric([self.model_name, engine], getattr(s, field))
                 yield metric
+        by_reason = GaugeMetricFamily(f"{self.prefix}:num_requests_waiting_by_reason",
+                                      WAITING_BY_REASON_HELP.format(prefix=self.prefix),
+                                      labels=LABELS + ["reason"])
+        for engine, s in stats:
+            deferred = s.num_deferred_waiting_reqs
+            by_reason.add_metric([self.model_name, engine, "capacity"],
+                                 s.num_waiting_reqs - deferred)
+            by_reason.add_metric([self.model_name, engine, "deferred"], deferred)
+        yield by_reason
 
 
 def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
-    """Several engines' stats as one: sums, and the mean KV cache usage."""
+    """Several engines' stats as one (for the log line): sums, and the mean KV cache usage."""
     total = SchedulerStats(**{f: sum(getattr(s, f) for s in stats)
                               for f in SchedulerStats.__struct_fields__})
     total.kv_cache_usage /= len(stats)
@@ -87,60 +180,115 @@ def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
 
 
 class ServerMetrics:
-    """The Prometheus registry of one server, and the per-request recording that feeds it."""
+    """The Prometheus registry of one server, and the per-request recording that feeds it.
+    config gives max_model_len (the token histograms' buckets) and the cache config
+    (cache_config_info, with num_blocks: the engines' KV cache blocks); its defaults without one."""
 
-    def __init__(self, model_name: str, num_engines: int, stats: StatsSource):
+    def __init__(self, model_name: str, num_engines: int, stats: StatsSource, *,
+                 prefix: str = DEFAULT_PREFIX, config: EngineConfig | None = None,
+                 num_blocks: int | None = None):
+        config = config or EngineConfig()
         # As vLLM: no *_created series (a process-wide switch of prometheus_client).
         disable_created_metrics()
-        self.registry = CollectorRegistry()
-        self.registry.register(SchedulerStatsCollector(model_name, stats))
+        self.registry = reg = CollectorRegistry()
+        ProcessCollector(registry=reg)
+        PlatformCollector(registry=reg)
+        GCCollector(registry=reg)
+        reg.register(SchedulerStatsCollector(prefix, model_name, stats))
+        self.model_name, self.num_engines = model_name, num_engines
 
         def per_engine(metric):
             return [metric.labels(model_name, str(e)) for e in range(num_engines)]
 
-        reg = self.registry
-        self._prompt_tokens = per_engine(Counter(
-            "minicore:prompt_tokens", "Number of prefill tokens processed.", LABELS, registry=reg))
-        self._generation_tokens = per_engine(Counter(
-            "minicore:generation_tokens", "Number of generation tokens processed.", LABELS,
-            registry=reg))
-        self._ttft = per_engine(Histogram(
-            "minicore:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-            LABELS, buckets=TTFT_BUCKETS, registry=reg))
-        self._itl = per_engine(Histogram(
-            "minicore:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-            LABELS, buckets=ITL_BUCKETS, registry=reg))
-        self._e2e = per_engine(Histogram(
-            "minicore:e2e_request_latency_seconds",
-            "Histogram of e2e request latency in seconds.", LABELS, buckets=E2E_BUCKETS,
-            registry=reg))
-        self._success = Counter("minicore:request_success",
-                                "Count of successfully processed requests.",
-                                LABELS + ["finished_reason"], registry=reg)
-        self.model_name = model_name
+        token_buckets = build_1_2_5_buckets(config.scheduler_config.max_model_len)
+        self.counters = {attr: per_engine(Counter(f"{prefix}:{name}", doc, LABELS, registry=reg))
+                         for attr, name, doc in COUNTERS}
+        self.histograms = {
+            attr: per_engine(Histogram(f"{prefix}:{name}", doc, LABELS, registry=reg,
+                                       buckets=token_buckets if buckets is None else buckets))
+            for attr, name, doc, buckets in HISTOGRAMS}
+        success = Counter(f"{prefix}:request_success", "Count of successfully processed requests.",
+                          LABELS + ["finished_reason"], registry=reg)
+        self._success = {str(reason): [success.labels(model_name, str(e), str(reason))
+                                       for e in range(num_engines)] for reason in FinishReason}
+        self._info_gauges(prefix, dataclasses.replace(config.cache_config, num_blocks=num_blocks))
         # Plain totals for the log line (prometheus_client does not expose its values).
         self.num_prompt_tokens = [0] * num_engines
         self.num_generation_tokens = [0] * num_engines
+        # The tokens of the frame being processed, by engine: iteration_tokens_total.
+        self._iteration_tokens = [0] * num_engines
+
+    def _info_gauges(self, prefix: str, cache_config: CacheConfig) -> None:
+        """cache_config_info (a gauge set to 1, labelled by the cache config's fields, vLLM's
+        num_gpu_blocks for num_blocks) and engine_sleep_state (minicore never sleeps)."""
+        info = {("num_gpu_blocks" if f.name == "num_blocks" else f.name):
+                str(getattr(cache_config, f.name)) for f in dataclasses.fields(cache_config)}
+        cache_info = Gauge(f"{prefix}:cache_config_info", "Information of the LLMEngine CacheConfig",
+                           list(info) + ["engine"], registry=self.registry)
+        sleep = Gauge(f"{prefix}:engine_sleep_state", SLEEP_STATE_HELP, LABELS + ["sleep_state"],
+                      registry=self.registry)
+        for e in range(self.num_engines):
+            cache_info.labels(**info, engine=str(e)).set(1)
+            for state in ("awake", "weights_offloaded", "discard_all"):
+                sleep.labels(self.model_name, str(e), state).set(state == "awake")
 
     def on_new_tokens(self, state: RequestState, num_new_tokens: int,
                       interval: float | None) -> None:
         """OutputProcessor's hook: an engine output brought a request num_new_tokens tokens,
-        interval seconds after its previous output (None: these are its first)."""
+        interval seconds (engine clock) after its previous output (None: these are its first)."""
         engine = state.engine_index
         if interval is None:
-            self._ttft[engine].observe(state.stats.first_token_latency)
+            self.histograms["ttft"][engine].observe(state.stats.first_token_latency)
             num_prompt = len(state.prompt_token_ids)
-            self._prompt_tokens[engine].inc(num_prompt)
+            num_cached = max(state.num_cached_tokens, 0)
+            self.counters["prompt_tokens"][engine].inc(num_prompt)
+            self.counters["prompt_tokens_cached"][engine].inc(num_cached)
             self.num_prompt_tokens[engine] += num_prompt
+            # As vLLM: a step's tokens are the prefills' computed prompt tokens + generated ones.
+            self._iteration_tokens[engine] += num_prompt - num_cached
         else:
-            self._itl[engine].observe(interval)
-        self._generation_tokens[engine].inc(num_new_tokens)
+            self.histograms["itl"][engine].observe(interval)
+        self.counters["generation_tokens"][engine].inc(num_new_tokens)
         self.num_generation_tokens[engine] += num_new_tokens
+        self._iteration_tokens[engine] += num_new_tokens
+
+    def on_iteration_end(self) -> None:
+        """OutputProcessor's hook after each engine frame: one iteration_tokens_total sample."""
+        for engine, num_tokens in enumerate(self._iteration_tokens):
+            if num_tokens:
+                self.histograms["iteration_tokens"][engine].observe(num_tokens)
+                self._iteration_tokens[engine] = 0
 
     def on_request_finished(self, state: RequestState) -> None:
-        """OutputProcessor's hook: a request finished (stop, length or abort)."""
-        self._e2e[state.engine_index].observe(time.monotonic() - state.arrival_time)
-        self._success.labels(self.model_name, str(state.engine_index), state.finish_reason).inc()
+        """OutputProcessor's hook: a request finished. Its phases as vLLM's
+        IterationStats.update_from_finished_request: queue = scheduled - queued, prefill = first
+        token - scheduled, decode = last token - first token, inference = last token -
+        scheduled (all the engine's clock); e2e from the frontend's arrival."""
+        engine = state.engine_index
+        self._success[state.finish_reason][engine].inc()
+        if state.finish_reason == "abort":
+            return  # the client went away: vLLM observes nothing for it
+        s, h = state.stats, self.histograms
+        num_generated = s.num_generation_tokens
+        decode_time = s.last_token_ts - s.first_token_ts
+        params = state.sampling_params
+        num_cached = max(state.num_cached_tokens, 0)
+        for attr, value in (
+                ("e2e", time.monotonic() - s.arrival_time),
+                ("queue", s.scheduled_ts - s.queued_ts),
+                ("prefill", s.first_token_ts - s.scheduled_ts),
+                ("decode", decode_time),
+                ("inference", s.last_token_ts - s.scheduled_ts),
+                ("tpot", decode_time / (num_generated - 1) if num_generated > 1 else 0),
+                ("preemptions", s.num_preemptions),
+                ("prefill_kv_computed", len(state.prompt_token_ids) - num_cached),
+                ("prompt_len", len(state.prompt_token_ids)),
+                ("generation_len", num_generated),
+                ("max_generation", num_generated),
+                ("n", params.n)):
+            h[attr][engine].observe(value)
+        if params.max_tokens:
+            h["max_tokens"][engine].observe(params.max_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

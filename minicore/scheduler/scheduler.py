@@ -138,7 +138,8 @@ class Scheduler(RemoteKVMixin):
         stats = self.kv_cache_manager.prefix_cache_stats
         num_running, num_waiting = self.get_request_counts()
         return SchedulerStats(num_running, num_waiting, self.kv_cache_manager.usage,
-                              stats.queries, stats.hits, self.num_preemptions)
+                              stats.queries, stats.hits, self.num_preemptions,
+                              len(self.waiting_for_remote_kvs))
 
     # ---- one step ------------------------------------------------------------------------------
 

@@ -71,7 +71,7 @@ async def _metrics(http: httpx.AsyncClient) -> dict[tuple[str, str], float]:
 
 
 def _successes(metrics, engine: str) -> float:
-    return metrics["minicore:request_success_total", engine]
+    return metrics["vllm:request_success_total", engine]
 
 
 async def _poll(condition, timeout: float, what: str, interval: float = 0.1) -> None:
@@ -85,8 +85,8 @@ async def _poll(condition, timeout: float, what: str, interval: float = 0.1) -> 
 
 async def _engines_idle(http: httpx.AsyncClient) -> bool:
     m = await _metrics(http)
-    return (m["minicore:num_requests_running", "all"], m["minicore:num_requests_waiting", "all"]) \
-        == (0, 0)
+    return all(m["vllm:num_requests_running", e] == m["vllm:num_requests_waiting", e] == 0
+               for e in ("0", "1"))
 
 
 def _engine_processes(server: ServerProcess) -> list[psutil.Process]:
@@ -150,8 +150,8 @@ async def test_dp2_real_model_matches_one_engine_and_waves_end_and_restart(refer
             m = await _metrics(http)
             assert _successes(m, "0") > 0 and _successes(m, "1") > 0, "one engine served all"
             assert _successes(m, "0") + _successes(m, "1") == len(PROMPTS)
-            assert m["minicore:generation_tokens_total", "0"] > 0
-            assert m["minicore:generation_tokens_total", "1"] > 0
+            assert m["vllm:generation_tokens_total", "0"] > 0
+            assert m["vllm:generation_tokens_total", "1"] > 0
 
             await _poll(lambda: _engines_idle(http), IDLE_TIMEOUT_S, "no request left")
             # The wave ends: the ranks stop stepping (no endless dummy batches).

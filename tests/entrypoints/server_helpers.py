@@ -116,8 +116,8 @@ def check_openai_error(response: httpx.Response, status: int) -> dict:
     return error
 
 
-ENGINE_STATE_GAUGES = ("minicore:num_requests_running", "minicore:num_requests_waiting",
-                       "minicore:kv_cache_usage_perc")
+ENGINE_STATE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                       "vllm:kv_cache_usage_perc")
 
 
 def engine_state(http: httpx.Client, model_name: str, engine: str = "0") -> dict[str, float]:

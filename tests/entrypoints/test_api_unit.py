@@ -1,10 +1,9 @@
-"""The server without an engine: request validation and translation, OpenAI error bodies, the
-Prometheus exposition and the stats log line, and the app's routes on a scripted engine client
-(streaming format, n > 1, auth, early close and shutdown abort their engine requests)."""
+"""The server without an engine: request validation and translation, OpenAI error bodies, and
+the app's routes on a scripted engine client (streaming format, n > 1, auth, early close and
+shutdown abort their engine requests). The metrics are tested in test_metrics.py."""
 
 import asyncio
 import json
-import logging
 from dataclasses import dataclass
 
 import httpx
@@ -14,7 +13,7 @@ import pytest
 from minicore.config import create_engine_config
 from minicore.engine.input_processor import InputProcessor
 from minicore.entrypoints.api_server import build_app
-from minicore.entrypoints.metrics import ServerMetrics, StatsLogger
+from minicore.entrypoints.metrics import ServerMetrics
 from minicore.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -95,117 +94,6 @@ def test_error_body_is_openai_shaped():
                   "param": "model", "code": 404}}
     assert json.loads(to_json(make_error("no", 401)))["error"]["type"] == "AuthenticationError"
     assert json.loads(to_json(make_error("no", 405)))["error"]["type"] == "MethodNotAllowedError"
-
-
-# ----------------------------------------------------------------------------- metrics
-
-
-@dataclass
-class _State:
-    """The RequestState fields the metrics hooks read."""
-    prompt_token_ids: list[int]
-    arrival_time: float
-    first_token_time: float
-    finish_reason: str | None = None
-    engine_index: int = 0
-
-
-def _state(prompt_len=3, arrival=100.0) -> _State:
-    return _State(list(range(prompt_len)), arrival, arrival + 0.25)
-
-
-def _sample(text: str, name: str, **labels) -> float:
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    for line in text.splitlines():
-        if line.startswith(name + "{"):
-            got = ",".join(sorted(line[len(name) + 1:line.index("}")].split(",")))
-            if got == want:
-                return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name}{{{want}}} not in the exposition")
-
-
-def test_metrics_expose_engine_stats_and_request_observations(monkeypatch):
-    stats = {0: SchedulerStats(num_running_reqs=3, num_waiting_reqs=2, kv_cache_usage=0.5,
-                               prefix_cache_queries=100, prefix_cache_hits=40, num_preemptions=1)}
-    metrics = ServerMetrics(MODEL, 1, lambda: stats)
-    state = _state()
-    metrics.on_new_tokens(state, 1, None)
-    metrics.on_new_tokens(state, 2, 0.05)
-    state.finish_reason = "length"
-    monkeypatch.setattr("time.monotonic", lambda: 101.0)
-    metrics.on_request_finished(state)
-    text = metrics.render().decode()
-    labels = {"model_name": MODEL, "engine": "0"}
-    assert _sample(text, "minicore:num_requests_running", **labels) == 3
-    assert _sample(text, "minicore:num_requests_waiting", **labels) == 2
-    assert _sample(text, "minicore:kv_cache_usage_perc", **labels) == 0.5
-    assert _sample(text, "minicore:prefix_cache_queries_total", **labels) == 100
-    assert _sample(text, "minicore:prefix_cache_hits_total", **labels) == 40
-    assert _sample(text, "minicore:num_preemptions_total", **labels) == 1
-    assert _sample(text, "minicore:prompt_tokens_total", **labels) == 3
-    assert _sample(text, "minicore:generation_tokens_total", **labels) == 3
-    assert _sample(text, "minicore:time_to_first_token_seconds_sum", **labels) == 0.25
-    assert _sample(text, "minicore:inter_token_latency_seconds_count", **labels) == 1
-    assert _sample(text, "minicore:e2e_request_latency_seconds_sum", **labels) == 1.0
-    assert _sample(text, "minicore:request_success_total", finished_reason="length", **labels) == 1
-    assert "_created" not in text
-
-
-def test_stats_log_line_reports_throughput_and_is_quiet_when_idle(caplog, monkeypatch):
-    clock = [0.0]
-    monkeypatch.setattr("time.monotonic", lambda: clock[0])
-    stats = {0: SchedulerStats(num_running_reqs=1, kv_cache_usage=0.125, prefix_cache_queries=10,
-                               prefix_cache_hits=5)}
-    metrics = ServerMetrics(MODEL, 1, lambda: stats)
-    stats_logger = StatsLogger(metrics, lambda: stats)
-    state = _state(prompt_len=20, arrival=0.0)
-    metrics.on_new_tokens(state, 1, None)
-    metrics.on_new_tokens(state, 9, 0.1)
-    clock[0] = 10.0
-    with caplog.at_level(logging.INFO, logger="minicore.stats"):
-        stats_logger.log()
-        stats[0] = SchedulerStats(prefix_cache_queries=10, prefix_cache_hits=5)
-        clock[0] = 20.0
-        stats_logger.log()  # idle: logged once
-        clock[0] = 30.0
-        stats_logger.log()  # still idle: quiet
-    lines = [r.getMessage() for r in caplog.records]
-    assert lines[0] == ("Engine 000: Avg prompt throughput: 2.0 tokens/s, Avg generation "
-                        "throughput: 1.0 tokens/s, Running: 1 reqs, Waiting: 0 reqs, KV cache "
-                        "usage: 12.5%, Prefix cache hit rate: 50.0%")
-    assert len(lines) == 2 and "Running: 0 reqs" in lines[1]
-
-
-def test_metrics_and_stats_line_report_each_engine_and_all_together(caplog, monkeypatch):
-    monkeypatch.setattr("time.monotonic", lambda: 10.0)
-    stats = {0: SchedulerStats(num_running_reqs=3, num_waiting_reqs=1, kv_cache_usage=0.5,
-                               prefix_cache_queries=10, prefix_cache_hits=5),
-             1: SchedulerStats(num_running_reqs=1, kv_cache_usage=0.25, prefix_cache_queries=30)}
-    metrics = ServerMetrics(MODEL, 2, lambda: stats)
-    stats_logger = StatsLogger(metrics, lambda: stats)
-    state = _state(prompt_len=7)
-    state.engine_index = 1
-    metrics.on_new_tokens(state, 1, None)
-    state.finish_reason = "stop"
-    metrics.on_request_finished(state)
-    text = metrics.render().decode()
-    assert _sample(text, "minicore:num_requests_running", model_name=MODEL, engine="0") == 3
-    assert _sample(text, "minicore:num_requests_running", model_name=MODEL, engine="all") == 4
-    assert _sample(text, "minicore:num_requests_waiting", model_name=MODEL, engine="all") == 1
-    assert _sample(text, "minicore:kv_cache_usage_perc", model_name=MODEL, engine="all") == 0.375
-    assert _sample(text, "minicore:prefix_cache_queries_total", model_name=MODEL,
-                   engine="all") == 40
-    # Request observations go to the engine that ran the request.
-    assert _sample(text, "minicore:prompt_tokens_total", model_name=MODEL, engine="1") == 7
-    assert _sample(text, "minicore:prompt_tokens_total", model_name=MODEL, engine="0") == 0
-    assert _sample(text, "minicore:request_success_total", model_name=MODEL, engine="1",
-                   finished_reason="stop") == 1
-    with caplog.at_level(logging.INFO, logger="minicore.stats"):
-        stats_logger.log()
-    lines = [r.getMessage() for r in caplog.records]
-    assert [line.split(":")[0] for line in lines] == ["Engine 000", "Engine 001", "All engines"]
-    assert "Running: 4 reqs, Waiting: 1 reqs, KV cache usage: 37.5%" in lines[2]
-    assert "Prefix cache hit rate: 12.5%" in lines[2]
 
 
 # ------------------------------------------------------- the app on a scripted client

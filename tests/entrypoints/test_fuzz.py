@@ -296,8 +296,8 @@ def test_server_is_healthy_idle_and_serving_after_the_fuzz(http):
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 4})
     assert r.status_code == 200, r.text[:500]
     assert r.json()["usage"]["completion_tokens"] == 4
-    idle = {"minicore:num_requests_running": 0.0, "minicore:num_requests_waiting": 0.0,
-            "minicore:kv_cache_usage_perc": 0.0}
+    idle = {"vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 0.0,
+            "vllm:kv_cache_usage_perc": 0.0}
     deadline = time.monotonic() + SETTLE_S
     while (state := engine_state(http, MODEL)) != idle and time.monotonic() < deadline:
         time.sleep(0.1)

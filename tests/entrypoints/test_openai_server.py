@@ -221,7 +221,7 @@ def test_tokenize_counts_what_a_completion_counts(http, offline):
 
 
 def test_disconnect_mid_stream_aborts_the_request(server, http):
-    aborted = _metric(http, "minicore:request_success_total", finished_reason="abort")
+    aborted = _metric(http, "vllm:request_success_total", finished_reason="abort")
     body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=server.url, headers=http.headers, timeout=60) as c, \
             c.stream("POST", "/v1/completions", json=body) as r:
@@ -230,24 +230,24 @@ def test_disconnect_mid_stream_aborts_the_request(server, http):
             events += line.startswith("data: ")
             if events == 3:
                 break
-        assert _metric(http, "minicore:num_requests_running") == 1
-        assert _metric(http, "minicore:kv_cache_usage_perc") > 0
+        assert _metric(http, "vllm:num_requests_running") == 1
+        assert _metric(http, "vllm:kv_cache_usage_perc") > 0
     # The connection is closed: the engine request must be aborted long before its 400 tokens.
-    assert _wait_until(lambda: _metric(http, "minicore:request_success_total",
+    assert _wait_until(lambda: _metric(http, "vllm:request_success_total",
                                        finished_reason="abort") == aborted + 1)
-    assert _wait_until(lambda: _metric(http, "minicore:num_requests_running") == 0)
-    assert _metric(http, "minicore:kv_cache_usage_perc") == 0.0
+    assert _wait_until(lambda: _metric(http, "vllm:num_requests_running") == 0)
+    assert _metric(http, "vllm:kv_cache_usage_perc") == 0.0
 
 
 def test_disconnect_while_waiting_for_a_whole_response_aborts_it(server, http):
-    aborted = _metric(http, "minicore:request_success_total", finished_reason="abort")
+    aborted = _metric(http, "vllm:request_success_total", finished_reason="abort")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", headers=http.headers, timeout=1.0,
                    json={"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True})
-    assert _wait_until(lambda: _metric(http, "minicore:request_success_total",
+    assert _wait_until(lambda: _metric(http, "vllm:request_success_total",
                                        finished_reason="abort") == aborted + 1)
-    assert _wait_until(lambda: _metric(http, "minicore:num_requests_running") == 0)
-    assert _metric(http, "minicore:kv_cache_usage_perc") == 0.0
+    assert _wait_until(lambda: _metric(http, "vllm:num_requests_running") == 0)
+    assert _metric(http, "vllm:kv_cache_usage_perc") == 0.0
 
 
 def test_metrics_have_vllm_names_and_count_the_requests(http):
@@ -257,13 +257,13 @@ def test_metrics_have_vllm_names_and_count_the_requests(http):
                  "prompt_tokens_total", "generation_tokens_total",
                  "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
                  "e2e_request_latency_seconds_bucket"):
-        assert f'minicore:{name}{{' in text, name
-    assert _metric(http, "minicore:request_success_total", finished_reason="length") >= 2
-    assert _metric(http, "minicore:request_success_total", finished_reason="stop") >= 2
-    assert _metric(http, "minicore:prompt_tokens_total") > 0
-    assert _metric(http, "minicore:time_to_first_token_seconds_count") >= 4
+        assert f'vllm:{name}{{' in text, name
+    assert _metric(http, "vllm:request_success_total", finished_reason="length") >= 2
+    assert _metric(http, "vllm:request_success_total", finished_reason="stop") >= 2
+    assert _metric(http, "vllm:prompt_tokens_total") > 0
+    assert _metric(http, "vllm:time_to_first_token_seconds_count") >= 4
     # The same prompt again and again: the prefix cache hits.
-    assert _metric(http, "minicore:prefix_cache_hits_total") > 0
+    assert _metric(http, "vllm:prefix_cache_hits_total") > 0
 
 
 def test_bench_serve_drives_the_server(server, tmp_path):

@@ -172,7 +172,7 @@ def assert_kv_freed(d: Deployment, *servers: ServerProcess) -> None:
     deadline = time.monotonic() + FREED_WITHIN_S
     for server in servers or (d.prefill, d.decode):
         with httpx.Client(base_url=server.url, timeout=10) as http:
-            while (usage := engine_state(http, d.model)["minicore:kv_cache_usage_perc"]) != 0:
+            while (usage := engine_state(http, d.model)["vllm:kv_cache_usage_perc"]) != 0:
                 assert time.monotonic() < deadline, f"{server.url}: KV usage stays at {usage}"
                 time.sleep(0.2)
 
@@ -201,10 +201,10 @@ def test_streamed_completion_and_chat_through_proxy(deployment, prompts, referen
 def test_decode_side_prefix_hit_reads_only_the_rest(deployment, prompts, reference):
     d = deployment
     assert complete(d.decode.url, prompts["seed"])["choices"][0]["text"] == reference["seed"]
-    hits = metric(d.decode, d.model, "minicore:prefix_cache_hits_total")
+    hits = metric(d.decode, d.model, "vllm:prefix_cache_hits_total")
     assert complete(d.proxy.url, prompts["shared"])["choices"][0]["text"] == reference["shared"]
     # The shared prefix's six blocks came from the decode instance's own cache.
-    assert metric(d.decode, d.model, "minicore:prefix_cache_hits_total") - hits >= 6 * BLOCK_SIZE
+    assert metric(d.decode, d.model, "vllm:prefix_cache_hits_total") - hits >= 6 * BLOCK_SIZE
     assert_kv_freed(d)
 
 
