@@ -33,7 +33,7 @@ def parse_chat_messages(messages: list[dict]) -> list[dict]:
     """OpenAI chat messages (dicts) as the conversation a chat template takes; an
     InvalidRequestError (a ValueError) naming messages for what cannot be rendered."""
     if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError("messages must be a non-empty list", "messages")
+        raise InvalidRequestError("messages must not be empty (a non-empty list)", "messages")
     return [_parse_message(i, message) for i, message in enumerate(messages)]
 
 

@@ -7,98 +7,63 @@ token costs one small JSON encode, and msgspec does that several times faster th
 kv_transfer_params (prefill/decode disaggregation) is a vLLM extension: taken in both request bodies,
 and returned at the top level of whole responses ("kv_transfer_params": null when there are none,
 as vLLM's model_dump shows it) but not on stream chunks, which in vLLM have no such field either.
-Left out: logprobs, echo, suffix, penalties, logit_bias, tools and response formats (asking for
-any of them is a 400, not a silent no-op), multimodal content, and beam search.
+Every sampling field vLLM takes maps to SamplingParams as vLLM's to_sampling_params does: a field
+left unset takes the generation config's default (get_diff_sampling_param), then OpenAI's.
+Logprob records live in logprobs_format.py. Refused with a 400 naming the field (never silently
+ignored): structured outputs (response_format json, structured_outputs, guided_*), tools and a
+tool_choice that needs them, suffix, best_of other than n, beam search, logprob_token_ids,
+prompt_embeds. Left out: multimodal content.
 """
 
 import uuid
-from http import HTTPStatus
 from typing import Any
 
 import msgspec
 from pydantic import BaseModel, ConfigDict
 
-from minicore.sampling_params import SamplingParams, check_text
+from minicore.entrypoints.logprobs_format import (
+    ChatCompletionLogProbs,
+    CompletionLogProbs,
+    PromptLogprobsJSON,
+)
+# The error records are re-exported: the endpoints take them from here with the requests.
+from minicore.entrypoints.openai_errors import (  # noqa: F401
+    OpenAIError,
+    check_text_param,
+    make_error,
+    validation_error,
+)
+from minicore.sampling_params import SamplingParams
 
-# OpenAI parameters minicore does not implement, with the values that mean "not used".
+# Parameters minicore does not implement, with the values that mean "not used" (best_of equal to
+# n is accepted too, as vLLM does).
 UNSUPPORTED_PARAMS: dict[str, tuple] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
     "suffix": (None, ""),
-    "logit_bias": (None, {}),
     "best_of": (None, 1),
-    "frequency_penalty": (None, 0),
-    "presence_penalty": (None, 0),
-    "repetition_penalty": (None, 1),
-    "min_p": (None, 0),
+    "use_beam_search": (None, False),
     "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
     "response_format": (None, {"type": "text"}),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "logprob_token_ids": (None, []),
+    "prompt_embeds": (None,),
 }
+
+# OpenAI's defaults for the sampling fields a generation config may set (vLLM's
+# _DEFAULT_SAMPLING_PARAMS): a request's value wins, then the generation config's, then these.
+DEFAULT_SAMPLING_PARAMS = {"repetition_penalty": 1.0, "presence_penalty": 0.0,
+                           "frequency_penalty": 0.0, "temperature": 1.0, "top_p": 1.0,
+                           "top_k": 0, "min_p": 0.0}
 
 # Choices per request: each is an engine request of its own, so n is bounded like a batch.
 MAX_N = 128
 
-# Error types named after the openai SDK's exception classes, as vLLM names them.
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               500: "InternalServerError", 503: "ServiceUnavailableError"}
-
-
 def random_uuid() -> str:
     return uuid.uuid4().hex
-
-
-# ----------------------------------------------------------------------------------- errors
-
-
-class ErrorInfo(msgspec.Struct):
-    message: str
-    type: str
-    param: str | None
-    code: int
-
-
-class ErrorResponse(msgspec.Struct):
-    error: ErrorInfo
-
-
-class OpenAIError(Exception):
-    """A request the server refuses, with the HTTP status and the parameter to blame."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None):
-        super().__init__(message)
-        self.message, self.status, self.param = message, status, param
-
-    def to_response(self) -> ErrorResponse:
-        return make_error(self.message, self.status, self.param)
-
-
-def check_text_param(param: str, text: str) -> None:
-    """Text the tokenizer and the JSON encoder can take (no lone surrogate), else a 400."""
-    try:
-        check_text(param, text)
-    except ValueError as e:
-        raise OpenAIError(str(e), 400, param) from None
-
-
-def make_error(message: str, status: int, param: str | None = None) -> ErrorResponse:
-    err_type = ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
-    return ErrorResponse(ErrorInfo(message, err_type, param, status))
-
-
-def validation_error(errors: list[dict]) -> OpenAIError:
-    """A 400 from pydantic's errors (a wrong type, a missing field, bad JSON): each error as
-    "field.path: message", the first error's field as the param."""
-    parts, params = [], []
-    for err in errors:
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        if err.get("type") == "json_invalid":
-            parts.append(f"invalid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}")
-            continue
-        field = ".".join(loc)
-        params.append(loc[0] if loc else None)
-        parts.append(f"{field}: {err.get('msg')}" if field else str(err.get("msg")))
-    return OpenAIError("; ".join(parts) or "invalid request", 400, params[0] if params else None)
 
 
 # --------------------------------------------------------------------------------- requests
@@ -110,6 +75,8 @@ class OpenAIBaseModel(BaseModel):
 
     def check_unsupported(self) -> None:
         for name, value in (self.model_extra or {}).items():
+            if name == "best_of" and value == getattr(self, "n", 1):
+                continue
             if name in UNSUPPORTED_PARAMS and value not in UNSUPPORTED_PARAMS[name]:
                 raise OpenAIError(f"{name} is not supported by minicore", 400, name)
 
@@ -118,7 +85,9 @@ class OpenAIBaseModel(BaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    include_usage: bool = False
+    include_usage: bool | None = False
+    # vLLM's extension: usage on every chunk (only with include_usage).
+    continuous_usage_stats: bool | None = False
 
 
 class SamplingRequest(OpenAIBaseModel):
@@ -140,31 +109,70 @@ class SamplingRequest(OpenAIBaseModel):
     user: str | None = None
     # vLLM's extension for disaggregated prefill: the KV connector's params (a JSON object).
     kv_transfer_params: dict[str, Any] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    # JSON object keys are strings: token ids as decimal strings.
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    echo: bool = False
+    # vLLM's extension: logprob tokens spelled "token_id:N" (tokens that are no valid UTF-8 alone).
+    return_tokens_as_token_ids: bool | None = None
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        """The SamplingParams this request asks for; a 400 naming the parameter if it is invalid."""
+    @property
+    def include_continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+    def to_sampling_params(self, max_tokens: int | None,
+                           defaults: dict | None = None) -> SamplingParams:
+        """The SamplingParams this request asks for, unset fields taken from defaults (the
+        generation config's); a 400 naming the parameter if it is invalid."""
         if not 1 <= self.n <= MAX_N:
             raise OpenAIError(f"n must be in [1, {MAX_N}], got {self.n}", 400, "n")
+        if self.prompt_logprobs is not None and self.stream:
+            raise OpenAIError("`prompt_logprobs` are not available when `stream=True`.", 400,
+                              "prompt_logprobs")
+        defaults = defaults or {}
+        sampling = {name: value if (value := getattr(self, name)) is not None
+                    else defaults.get(name, default)
+                    for name, default in DEFAULT_SAMPLING_PARAMS.items()}
+        logprobs, prompt_logprobs = self.logprobs_fields()
         try:
             return SamplingParams(
-                max_tokens=max_tokens,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=self.top_k or 0, seed=self.seed,
+                max_tokens=max_tokens, **sampling, seed=self.seed, n=self.n,
                 stop=[] if self.stop is None else self.stop,
                 stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
-                min_tokens=self.min_tokens, kv_transfer_params=self.kv_transfer_params)
+                min_tokens=self.min_tokens, kv_transfer_params=self.kv_transfer_params,
+                logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words or None, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens,
+                spaces_between_special_tokens=self.spaces_between_special_tokens,
+                truncate_prompt_tokens=self.truncate_prompt_tokens)
         except ValueError as e:
-            # SamplingParams' messages start with the parameter's name.
-            name = str(e).split(" ", 1)[0]
-            if name == "max_tokens":
-                name = self.max_tokens_field
-            param = name if name in type(self).model_fields else None
-            raise OpenAIError(str(e), 400, param) from None
+            raise OpenAIError(str(e), 400, self.field_of(str(e).split(" ", 1)[0])) from None
+
+    def logprobs_fields(self) -> tuple[int | None, int | None]:
+        """(logprobs, prompt_logprobs) for SamplingParams."""
+        raise NotImplementedError
+
+    def field_of(self, name: str) -> str | None:
+        """The request field a SamplingParams parameter (or InputProcessor param) comes from."""
+        if name == "max_tokens":
+            return self.max_tokens_field
+        return name if name in type(self).model_fields else None
 
     @property
     def max_tokens_field(self) -> str:
@@ -175,32 +183,56 @@ class SamplingRequest(OpenAIBaseModel):
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
+    logprobs: int | None = None
+    add_special_tokens: bool = True
 
+    @property
+    def echo_without_generation(self) -> bool:
+        """echo with max_tokens 0: vLLM runs one token and returns only the prompt."""
+        return self.echo and self.max_tokens == 0
 
-class ContentPart(OpenAIBaseModel):
-    type: str
-    text: str | None = None
+    def logprobs_fields(self) -> tuple[int | None, int | None]:
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs, self.logprobs
+        return self.logprobs, self.prompt_logprobs
 
 
 class ChatMessageParam(OpenAIBaseModel):
+    """A message as the client sent it; chat_utils.parse_chat_messages reads its content parts
+    and the fields templates use (tool_calls, tool_call_id, name), kept as extras."""
     role: str
-    content: str | list[ContentPart] | None = None
-
-    def to_template_dict(self) -> dict[str, str]:
-        """{"role", "content"} with the content's text parts joined, as chat templates expect."""
-        content = self.content
-        if isinstance(content, list):
-            if any(part.type != "text" or part.text is None for part in content):
-                raise OpenAIError("only text content parts are supported", 400, "messages")
-            content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+    content: str | list[dict[str, Any]] | None = None
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatTemplateFields(OpenAIBaseModel):
+    """What the chat template sees, for chat completions and /tokenize."""
     messages: list[ChatMessageParam]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(ChatTemplateFields, SamplingRequest):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    add_generation_prompt: bool = True
+    logprobs: bool | None = False
+    top_logprobs: int | None = 0
+    # The template holds the special tokens (vLLM's default for chat).
+    add_special_tokens: bool = False
+
+    def logprobs_fields(self) -> tuple[int | None, int | None]:
+        top = self.top_logprobs
+        if top is not None and (top > 0 or top == -1) and not self.logprobs:
+            raise OpenAIError("when using `top_logprobs`, `logprobs` must be set to true.", 400,
+                              "top_logprobs")
+        logprobs = top if self.logprobs else None
+        if self.prompt_logprobs is None and self.echo:
+            return logprobs, top
+        return logprobs, self.prompt_logprobs
+
+    def field_of(self, name: str) -> str | None:
+        return "top_logprobs" if name == "logprobs" else super().field_of(name)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -212,14 +244,13 @@ class ChatCompletionRequest(SamplingRequest):
         return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(ChatTemplateFields):
     """Either a prompt or chat messages (formatted with the chat template first)."""
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessageParam] | None = None
-    add_generation_prompt: bool = True
-    # False is what the completion endpoints do, so "count" is their prompt_tokens.
-    add_special_tokens: bool = False
+    # vLLM's default: True for a prompt, as /v1/completions; chat messages default to False.
+    add_special_tokens: bool | None = None
 
 
 class DetokenizeRequest(OpenAIBaseModel):
@@ -248,7 +279,9 @@ class CompletionResponseChoice(msgspec.Struct):
     text: str
     finish_reason: str | None
     stop_reason: int | str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogProbs | None = None
+    # vLLM's extension, when asked for (left out of the JSON otherwise).
+    prompt_logprobs: PromptLogprobsJSON | msgspec.UnsetType = msgspec.UNSET
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):
@@ -273,7 +306,7 @@ class ChatCompletionResponseChoice(msgspec.Struct):
     message: ChatMessage
     finish_reason: str | None
     stop_reason: int | str | None = None
-    logprobs: None = None
+    logprobs: ChatCompletionLogProbs | None = None
 
 
 class ChatCompletionResponse(msgspec.Struct, kw_only=True):
@@ -284,6 +317,8 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's extension (one prompt per chat request), when asked for.
+    prompt_logprobs: PromptLogprobsJSON | msgspec.UnsetType = msgspec.UNSET
 
 
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
@@ -296,7 +331,7 @@ class ChatCompletionResponseStreamChoice(msgspec.Struct):
     delta: DeltaMessage
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: None = None
+    logprobs: ChatCompletionLogProbs | None = None
 
 
 class ChatCompletionStreamResponse(msgspec.Struct, kw_only=True):

@@ -1,30 +1,25 @@
-"""The OpenAI endpoints' logic: requests in, engine requests out, whole or streamed responses back.
+"""The OpenAI generation endpoints: /v1/completions and /v1/chat/completions, whole or streamed.
 
-Mirrors vllm/entrypoints/openai/serving_engine.py (model check, input validation, error
-responses), serving_completion.py and serving_chat.py (/tokenize: serving_tokenization.py), on top
-of AsyncLLM: its InputProcessor builds (and checks) every engine request, and AsyncLLM.generate runs
-each. Everything a request could be refused for is checked before the first engine request is
-sent, so a refused request leaves nothing behind, and a streamed one never turns into an error
-after its 200. Each choice (n per prompt, for every prompt of a completion request)
-is its own engine request; their outputs are merged as they arrive. A choice whose engine request
-ends early (client gone, server shutting down) is aborted in the engine and finishes as "abort".
-Left out: logprobs, echo, tools, guided decoding, beam search, multimodal content.
+Mirrors vllm/entrypoints/openai/serving_completion.py and serving_chat.py (in vLLM 0.32
+completion/serving.py and chat_completion/serving.py) on OpenAIServingBase (serving_engine.py).
+As vLLM: completions' echo puts the prompt's text, tokens and logprobs (the first one None) before
+the completion's, and echo with max_tokens 0 returns the prompt alone (one token is still run);
+chat's echo prepends the last message's content when it is the assistant's. Logprobs come in the
+OpenAI shapes (logprobs_format.py); a stream chunk carries the logprobs of the tokens that are new
+since the previous chunk, with text offsets counted by token, as vLLM does (text held back for a
+stop string lags its tokens). prompt_logprobs (vLLM's extension) are on each completion choice and
+at the top of a chat response. stream_options.continuous_usage_stats puts the choice's usage on
+every chunk. Left out: tools, reasoning parsers, return_token_ids, per-request metrics.
 """
 
-import asyncio
-import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
 
 import msgspec
-from jinja2 import TemplateError
 
-from minicore.arg_utils import resolve_chat_template
-from minicore.engine.async_llm import AsyncLLM
 from minicore.engine.core_client import EngineDeadError
-from minicore.engine.input_processor import InvalidRequestError
+from minicore.entrypoints.logprobs_format import LogprobsFormatter, prompt_logprobs_json
 from minicore.entrypoints.openai_protocol import (
     SSE_DONE,
     ChatCompletionRequest,
@@ -37,270 +32,24 @@ from minicore.entrypoints.openai_protocol import (
     CompletionResponse,
     CompletionResponseChoice,
     DeltaMessage,
-    ModelCard,
-    ModelList,
     OpenAIError,
-    PromptTokenUsageInfo,
-    SamplingRequest,
-    UsageInfo,
-    check_text_param,
-    make_error,
     random_uuid,
     sse,
 )
-from minicore.outputs import RequestOutput
-from minicore.protocol import EngineCoreRequest
-from minicore.sampling_params import SamplingParams, parallel_sample_params
-
-logger = logging.getLogger(__name__)
-
-@dataclass(slots=True)
-class Prompt:
-    text: str | None
-    token_ids: list[int]
+from minicore.entrypoints.serving_engine import Choice, OpenAIServingBase
 
 
-@dataclass(slots=True)
-class Choice:
-    """One choice of a response: one engine request and what has been sent of it."""
-    index: int
-    request_id: str
-    prompt: Prompt
-    # AsyncLLM.generate's stream; closing it early aborts the request.
-    outputs: AsyncGenerator[RequestOutput, None]
-    text: str = ""
-    num_tokens: int = 0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    # The KV connector's params from the engine's final output (disaggregated prefill).
-    kv_transfer_params: dict | None = None
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
-
-
-class OpenAIServing:
-    def __init__(self, client: AsyncLLM, model_names: list[str],
-                 enable_prompt_tokens_details: bool = False):
-        self.client = client
-        self.model_names = model_names
-        self.enable_prompt_tokens_details = enable_prompt_tokens_details
-        self.tokenizer = client.tokenizer
-        self.chat_template = resolve_chat_template(client.config.model_config.chat_template)
-        self.vocab_size = client.vocab_size
-        self.max_model_len = client.config.scheduler_config.max_model_len
-        self.created = int(time.time())
-        # Choices with an engine request in flight, by request id.
-        self.running: dict[str, Choice] = {}
-        self.shutting_down = False
-        # Cleanup tasks run detached from the request (it may be cancelled); referenced until done.
-        self._cleanups: set[asyncio.Task] = set()
-
-    # ----------------------------------------------------------------------------- checks
-
-    def check_model(self, model: str | None) -> None:
-        if model is None:
-            return
-        check_text_param("model", model)
-        if model not in self.model_names:
-            raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
-
-    def _check_request(self, request: SamplingRequest) -> None:
-        if self.shutting_down:
-            raise OpenAIError("the server is shutting down", 503)
-        if self.client.errored:
-            raise OpenAIError("the engine process is dead; the server cannot serve requests", 503)
-        self.check_model(request.model)
-        request.check_unsupported()
-        if ignored := request.ignored_fields():
-            logger.warning("ignoring unknown request fields: %s", ", ".join(ignored))
-
-    def _process_inputs(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                        request: SamplingRequest, rank: int | None,
-                        param: str) -> EngineCoreRequest:
-        """The engine request for one prompt; param names the prompt's field in errors. The
-        context length is checked first, as OpenAI words it (with the completion's tokens)."""
-        processor = self.client.input_processor
-        try:
-            token_ids = processor.tokenize(prompt)
-            self._check_context_length(len(token_ids), params, param)
-            return processor.process_inputs(request_id, token_ids, params,
-                                            priority=request.priority, data_parallel_rank=rank)
-        except InvalidRequestError as e:
-            raise OpenAIError(str(e), 400, param if e.param == "prompt" else e.param) from None
-
-    def _check_context_length(self, num: int, params: SamplingParams, param: str) -> None:
-        """OpenAI's rule: prompt and completion together must fit in the context."""
-        if params.max_tokens is None:
-            if num >= self.max_model_len:
-                raise OpenAIError(
-                    f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                    f"your request has {num} input tokens. Please reduce the length of the input.",
-                    400, param)
-        elif num + params.max_tokens > self.max_model_len:
-            raise OpenAIError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {num + params.max_tokens} tokens ({num} in the prompt, "
-                f"{params.max_tokens} in the completion). Please reduce the length of the prompt "
-                "or completion.", 400, param)
-
-    def _data_parallel_rank(self, header: str | None) -> int | None:
-        if header is None:
-            return None
-        num_engines = self.client.num_engines
-        try:
-            rank = int(header)
-        except ValueError:
-            rank = -1
-        if not 0 <= rank < num_engines:
-            raise OpenAIError(f"X-data-parallel-rank must be an engine rank in [0, {num_engines}), "
-                              f"got {header!r}", 400, "X-data-parallel-rank")
-        return rank
-
-    # ----------------------------------------------------------------------------- prompts
-
-    def apply_chat_template(self, messages, add_generation_prompt: bool) -> str:
-        if not messages:
-            raise OpenAIError("messages must not be empty", 400, "messages")
-        conversation = [m.to_template_dict() for m in messages]
-        try:
-            return self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                chat_template=self.chat_template)
-        except (TemplateError, ValueError, TypeError) as e:  # the template's own checks
-            raise OpenAIError(f"the chat template rejected the messages: {e}", 400,
-                              "messages") from None
+class OpenAIServing(OpenAIServingBase):
+    def _formatter(self, request) -> LogprobsFormatter:
+        return LogprobsFormatter(self.tokenizer, bool(request.return_tokens_as_token_ids))
 
     @staticmethod
-    def _completion_prompts(prompt) -> list[str | list[int]]:
-        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
-            return [prompt]
-        return list(prompt)
-
-    def _make_choices(self, response_id: str, prompts: list[str | list[int]],
-                      params: SamplingParams, request: SamplingRequest, param: str,
-                      rank_header: str | None) -> list[Choice]:
-        """Check the X-data-parallel-rank header and build every prompt's engine request, then
-        make n choices per prompt. Nothing reaches the engine until the choices are iterated."""
-        rank = self._data_parallel_rank(rank_header)
-        if params.kv_transfer_params is not None and (len(prompts) > 1 or request.n > 1):
-            # A response returns one set of params: those of a second engine request (blocks a
-            # prefill instance would hold for nobody) would be lost.
-            raise OpenAIError("kv_transfer_params needs a single prompt and n=1", 400,
-                              "kv_transfer_params")
-        engine_requests = [self._process_inputs(f"{response_id}-p{i}", prompt, params, request,
-                                                rank, param)
-                           for i, prompt in enumerate(prompts)]
-        choices = []
-        for prompt, engine_request in zip(prompts, engine_requests):
-            shared = Prompt(prompt if isinstance(prompt, str) else None,
-                            engine_request.prompt_token_ids)
-            for j in range(request.n):
-                p = parallel_sample_params(params, j)
-                request_id = f"{response_id}-{len(choices)}"
-                choice_request = msgspec.structs.replace(engine_request, request_id=request_id,
-                                                         sampling_params=p)
-                outputs = self.client.generate(choice_request, prompt_text=shared.text)
-                choices.append(Choice(len(choices), request_id, shared, outputs))
-        return choices
-
-    # ----------------------------------------------------------------------------- outputs
-
-    def _update(self, choice: Choice, output: RequestOutput) -> str:
-        """Take a choice's cumulative output; return the text that is new."""
-        completion = output.outputs[0]
-        delta = completion.text[len(choice.text):]
-        choice.text = completion.text
-        choice.num_tokens = len(completion.token_ids)
-        choice.num_cached_tokens = output.num_cached_tokens
-        if output.finished:
-            choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason
-            choice.kv_transfer_params = output.kv_transfer_params
-        return delta
-
-    async def _iterate(self, choices: list[Choice]) -> AsyncIterator[tuple[Choice, str]]:
-        """(choice, new text) for every output of every choice, as they arrive. Use it under
-        contextlib.aclosing, so that leaving early aborts what is left at once."""
-        for choice in choices:
-            self.running[choice.request_id] = choice
-        pending: dict[asyncio.Future, Choice] = {}
-        try:
-            if len(choices) == 1:
-                choice = choices[0]
-                async for output in choice.outputs:
-                    yield choice, self._update(choice, output)
-            else:
-                pending = {asyncio.ensure_future(anext(c.outputs)): c for c in choices}
-                while pending:
-                    done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                    for future in done:
-                        choice = pending.pop(future)
-                        try:
-                            output = future.result()
-                        except StopAsyncIteration:
-                            continue
-                        pending[asyncio.ensure_future(anext(choice.outputs))] = choice
-                        yield choice, self._update(choice, output)
-            for choice in choices:
-                if choice.finish_reason is None:  # the stream ended without saying why
-                    choice.finish_reason = "abort"
-                    yield choice, ""
-        except ValueError as e:  # AsyncLLM's own checks (a request id in use)
-            raise OpenAIError(str(e), 400) from None
-        finally:
-            for choice in choices:
-                self.running.pop(choice.request_id, None)
-            if pending:
-                for future in pending:
-                    future.cancel()
-                self._detach(self._close(choices, list(pending)))
-            else:
-                # Closing a stream aborts its request if it is unfinished. It does not suspend,
-                # so it is safe even in a task being cancelled again and again (anyio does that).
-                for choice in choices:
-                    await choice.outputs.aclose()
-
-    async def _close(self, choices: list[Choice], cancelled: list[asyncio.Future]) -> None:
-        """Close the streams of a merge left early, once the cancelled reads have stopped (a
-        stream cannot be closed while a read is running it). A task of its own, as the request's
-        task may be cancelled."""
-        await asyncio.gather(*cancelled, return_exceptions=True)
-        for choice in choices:
-            await choice.outputs.aclose()
-
-    def _detach(self, awaitable) -> None:
-        task = asyncio.ensure_future(awaitable)
-        self._cleanups.add(task)
-        task.add_done_callback(self._cleanups.discard)
-
-    def begin_shutdown(self) -> None:
-        """SIGTERM: refuse new requests and abort those in flight (they finish as "abort")."""
-        self.shutting_down = True
-        logger.info("shutting down: aborting %d request(s) in flight", len(self.running))
-        if not self.client.errored:
-            for request_id in list(self.running):
-                self._detach(self.client.abort(request_id))
-
-    def _usage(self, choices: list[Choice]) -> UsageInfo:
-        prompts = {id(c.prompt): len(c.prompt.token_ids) for c in choices}
-        prompt_tokens = sum(prompts.values())
-        completion_tokens = sum(c.num_tokens for c in choices)
-        usage = UsageInfo(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
-        if self.enable_prompt_tokens_details:
-            # Each prompt once, as in prompt_tokens: its first choice's hit (reversed: the first
-            # write wins), since n choices are n engine requests where vLLM has one.
-            cached = {id(c.prompt): c.num_cached_tokens for c in reversed(choices)}
-            usage.prompt_tokens_details = PromptTokenUsageInfo(sum(cached.values()))
-        return usage
-
-    def _stream_error(self, e: Exception) -> bytes:
-        if isinstance(e, OpenAIError):
-            return sse(e.to_response())
-        return sse(make_error(str(e), 503 if isinstance(e, EngineDeadError) else 500))
-
-    async def _run_to_completion(self, choices: list[Choice]) -> None:
-        """Drive every choice's request to its end (a non-streamed response)."""
-        async with aclosing(self._iterate(choices)) as outputs:
-            async for _ in outputs:
-                pass
+    def _new_tokens(choice: Choice) -> tuple[list[int], list | None]:
+        """The tokens generated since the choice's last chunk, with their logprobs (None when
+        not asked for); marks them sent."""
+        start, choice.num_logprobs_sent = choice.num_logprobs_sent, len(choice.token_ids)
+        logprobs = None if choice.logprobs is None else choice.logprobs[start:len(choice.token_ids)]
+        return choice.token_ids[start:], logprobs
 
     # ---------------------------------------------------------------------- completions
 
@@ -309,31 +58,51 @@ class OpenAIServing:
         the X-data-parallel-rank header, the engine to run on."""
         self._check_request(request)
         prompts = self._completion_prompts(request.prompt)
-        params = request.to_sampling_params(request.max_tokens)
+        max_tokens = 1 if request.echo_without_generation else request.max_tokens
+        params = self.sampling_params(request, max_tokens)
         response_id = f"cmpl-{random_uuid()}"
         choices = self._make_choices(response_id, prompts, params, request, "prompt", rank_header)
         model = request.model or self.model_names[0]
         if request.stream:
             return self._completion_stream(request, response_id, model, choices)
         await self._run_to_completion(choices)
+        fmt = self._formatter(request)
         return CompletionResponse(
             id=response_id, created=int(time.time()), model=model,
-            choices=[CompletionResponseChoice(c.index, c.text, c.finish_reason, c.stop_reason)
-                     for c in choices],
+            choices=[self._completion_choice(request, c, fmt) for c in choices],
             usage=self._usage(choices), kv_transfer_params=choices[0].kv_transfer_params)
+
+    @staticmethod
+    def _completion_choice(request: CompletionRequest, c: Choice,
+                           fmt: LogprobsFormatter) -> CompletionResponseChoice:
+        """vLLM's request_output_to_completion_response for one choice."""
+        text, token_ids, logprobs = c.text, c.token_ids, c.logprobs
+        if request.echo_without_generation:
+            text, token_ids, logprobs = c.prompt.text, c.prompt.token_ids, c.prompt_logprobs
+        elif request.echo:
+            text, token_ids = c.prompt.text + c.text, c.prompt.token_ids + c.token_ids
+            if logprobs is not None:
+                logprobs = [*(c.prompt_logprobs or []), *logprobs]
+        result = CompletionResponseChoice(c.index, text, c.finish_reason, c.stop_reason)
+        if request.logprobs is not None and logprobs is not None:
+            result.logprobs = fmt.completion(token_ids, logprobs, request.logprobs)
+        if c.prompt_logprobs is not None:
+            result.prompt_logprobs = prompt_logprobs_json(c.prompt_logprobs)
+        return result
 
     async def _completion_stream(self, request: CompletionRequest, response_id: str, model: str,
                                  choices: list[Choice]) -> AsyncIterator[bytes]:
-        created = int(time.time())
+        created, fmt = int(time.time()), self._formatter(request)
         try:
             async with aclosing(self._iterate(choices)) as outputs:
                 async for choice, delta in outputs:
-                    if delta or choice.finish_reason is not None:
-                        yield sse(CompletionResponse(
-                            id=response_id, created=created, model=model,
-                            choices=[CompletionResponseChoice(choice.index, delta,
-                                                              choice.finish_reason,
-                                                              choice.stop_reason)]))
+                    if (chunk := self._completion_chunk(request, choice, delta, fmt)) is None:
+                        continue
+                    response = CompletionResponse(id=response_id, created=created, model=model,
+                                                  choices=[chunk])
+                    if request.include_continuous_usage:
+                        response.usage = self._choice_usage(choice)
+                    yield sse(response)
             if request.include_usage:
                 yield sse(CompletionResponse(id=response_id, created=created, model=model,
                                              choices=[], usage=self._usage(choices)))
@@ -341,56 +110,110 @@ class OpenAIServing:
             yield self._stream_error(e)
         yield SSE_DONE
 
+    def _completion_chunk(self, request: CompletionRequest, choice: Choice, delta: str,
+                          fmt: LogprobsFormatter) -> CompletionResponseChoice | None:
+        """The stream choice for a choice's new output, None when there is nothing to send: the
+        echoed prompt goes first, with the first tokens (once there are any)."""
+        finished = choice.finish_reason is not None
+        if request.echo and not choice.echoed:
+            if not choice.token_ids and not finished:
+                return None  # prefill: the prompt goes out with the first token
+            choice.echoed = True
+            token_ids, logprobs = self._new_tokens(choice)
+            if request.echo_without_generation:
+                delta, token_ids, logprobs = (choice.prompt.text, choice.prompt.token_ids,
+                                              choice.prompt_logprobs)
+            else:
+                delta, token_ids = choice.prompt.text + delta, choice.prompt.token_ids + token_ids
+                if logprobs is not None:
+                    logprobs = [*(choice.prompt_logprobs or []), *logprobs]
+        elif request.echo_without_generation:
+            if not finished:
+                return None
+            delta, token_ids, logprobs = "", [], None
+        else:
+            token_ids, logprobs = self._new_tokens(choice)
+        new_logprobs = request.logprobs is not None and logprobs is not None
+        if not (delta or finished or (new_logprobs and token_ids)):
+            return None
+        chunk = CompletionResponseChoice(choice.index, delta, choice.finish_reason,
+                                         choice.stop_reason)
+        if new_logprobs:
+            chunk.logprobs = fmt.completion(token_ids, logprobs, request.logprobs,
+                                            choice.text_offset)
+            if chunk.logprobs.tokens:  # offsets advance by the tokens sent, not the text
+                choice.text_offset = chunk.logprobs.text_offset[-1] + len(chunk.logprobs.tokens[-1])
+        return chunk
+
     # ----------------------------------------------------------------- chat completions
 
     async def create_chat_completion(self, request: ChatCompletionRequest,
                                      rank_header: str | None = None):
         """A ChatCompletionResponse, or for stream=True an async iterator of SSE bytes."""
         self._check_request(request)
-        text = self.apply_chat_template(request.messages, request.add_generation_prompt)
-        params = request.to_sampling_params(request.requested_max_tokens)
+        conversation, text = self.render_chat(request)
+        params = self.sampling_params(request, request.requested_max_tokens)
         response_id = f"chatcmpl-{random_uuid()}"
         choices = self._make_choices(response_id, [text], params, request, "messages",
                                      rank_header)
         model = request.model or self.model_names[0]
+        # vLLM's chat echo: the last message, when it is the assistant's, heads the answer.
+        echo = (conversation[-1]["content"] if request.echo
+                and conversation[-1]["role"] == "assistant" else "")
         if request.stream:
-            return self._chat_stream(request, response_id, model, choices)
+            return self._chat_stream(request, response_id, model, choices, echo)
         await self._run_to_completion(choices)
+        fmt = self._formatter(request)
+        prompt_logprobs = choices[0].prompt_logprobs
         return ChatCompletionResponse(
             id=response_id, created=int(time.time()), model=model,
-            choices=[ChatCompletionResponseChoice(c.index, ChatMessage("assistant", c.text),
-                                                  c.finish_reason, c.stop_reason)
-                     for c in choices],
-            usage=self._usage(choices), kv_transfer_params=choices[0].kv_transfer_params)
+            choices=[ChatCompletionResponseChoice(
+                c.index, ChatMessage("assistant", echo + c.text), c.finish_reason, c.stop_reason,
+                self._chat_logprobs(request, c.token_ids, c.logprobs, fmt)) for c in choices],
+            usage=self._usage(choices), kv_transfer_params=choices[0].kv_transfer_params,
+            prompt_logprobs=msgspec.UNSET if prompt_logprobs is None
+            else prompt_logprobs_json(prompt_logprobs))
+
+    @staticmethod
+    def _chat_logprobs(request: ChatCompletionRequest, token_ids: list[int], logprobs,
+                       fmt: LogprobsFormatter):
+        if not request.logprobs or logprobs is None:
+            return None
+        return fmt.chat(token_ids, logprobs, request.top_logprobs)
 
     async def _chat_stream(self, request: ChatCompletionRequest, response_id: str, model: str,
-                           choices: list[Choice]) -> AsyncIterator[bytes]:
-        created = int(time.time())
+                           choices: list[Choice], echo: str) -> AsyncIterator[bytes]:
+        created, fmt = int(time.time()), self._formatter(request)
 
         def chunk(choice_list, usage=None):
-            return sse(ChatCompletionStreamResponse(id=response_id, created=created, model=model,
-                                                    choices=choice_list, **usage or {}))
+            response = ChatCompletionStreamResponse(id=response_id, created=created, model=model,
+                                                    choices=choice_list)
+            if usage is not None:
+                response.usage = usage
+            return sse(response)
+
+        def continuous(choice: Choice):
+            return self._choice_usage(choice) if request.include_continuous_usage else None
 
         # As OpenAI: each choice opens with the role, then the content comes in deltas.
-        yield chunk([ChatCompletionResponseStreamChoice(c.index, DeltaMessage("assistant", ""))
-                     for c in choices])
+        for c in choices:
+            yield chunk([ChatCompletionResponseStreamChoice(c.index, DeltaMessage("assistant", ""))],
+                        continuous(c))
+            if echo:
+                yield chunk([ChatCompletionResponseStreamChoice(c.index, DeltaMessage(
+                    content=echo))], continuous(c))
         try:
             async with aclosing(self._iterate(choices)) as outputs:
                 async for choice, delta in outputs:
-                    if delta or choice.finish_reason is not None:
+                    token_ids, logprobs = self._new_tokens(choice)
+                    logprobs = self._chat_logprobs(request, token_ids, logprobs, fmt)
+                    if delta or choice.finish_reason is not None or (logprobs and token_ids):
                         yield chunk([ChatCompletionResponseStreamChoice(
                             choice.index, DeltaMessage(content=delta or None),
-                            choice.finish_reason, choice.stop_reason)])
+                            choice.finish_reason, choice.stop_reason, logprobs)],
+                            continuous(choice))
             if request.include_usage:
-                yield chunk([], {"usage": self._usage(choices)})
+                yield chunk([], self._usage(choices))
         except (OpenAIError, EngineDeadError) as e:
             yield self._stream_error(e)
         yield SSE_DONE
-
-    # ---------------------------------------------------------------- everything else
-
-    def show_models(self) -> ModelList:
-        root = self.client.config.model_config.model or self.model_names[0]
-        return ModelList([ModelCard(id=name, created=self.created, root=str(root),
-                                    max_model_len=self.max_model_len)
-                          for name in self.model_names])

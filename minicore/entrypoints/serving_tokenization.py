@@ -1,8 +1,9 @@
 """/tokenize and /detokenize: a prompt (or chat messages) to token ids and back.
 
 Mirrors vllm/entrypoints/openai/serving_tokenization.py, on OpenAIServing's tokenizer, model check
-and chat template. Left out: tools in the chat template, return_token_strs, the tokenizer info
-endpoint.
+and chat rendering (chat_template, chat_template_kwargs, continue_final_message as chat
+completions). add_special_tokens defaults as vLLM's: True for a prompt, False for messages.
+Left out: tools in the chat template, return_token_strs, the tokenizer info endpoint.
 """
 
 from minicore.entrypoints.openai_protocol import (
@@ -11,7 +12,6 @@ from minicore.entrypoints.openai_protocol import (
     OpenAIError,
     TokenizeRequest,
     TokenizeResponse,
-    check_text_param,
 )
 from minicore.entrypoints.serving import OpenAIServing
 
@@ -20,10 +20,14 @@ def tokenize(serving: OpenAIServing, request: TokenizeRequest) -> TokenizeRespon
     serving.check_model(request.model)
     if (request.prompt is None) == (request.messages is None):
         raise OpenAIError("give either a prompt or messages", 400, "prompt")
-    text = (request.prompt if request.messages is None
-            else serving.apply_chat_template(request.messages, request.add_generation_prompt))
-    check_text_param("prompt" if request.messages is None else "messages", text)
-    tokens = serving.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+    add_special_tokens = request.add_special_tokens
+    if request.messages is None:
+        text, param = request.prompt, "prompt"
+    else:
+        text, param = serving.render_chat(request)[1], "messages"
+    if add_special_tokens is None:  # vLLM's defaults: a prompt's BOS as completions; chat's none
+        add_special_tokens = request.messages is None
+    tokens = serving.tokenize(text, add_special_tokens, param)
     return TokenizeResponse(len(tokens), serving.max_model_len, tokens)
 
 

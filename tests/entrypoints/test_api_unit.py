@@ -68,12 +68,34 @@ def test_invalid_sampling_values_are_400_naming_the_parameter(fields, param):
     assert param in e.value.message
 
 
-def test_unsupported_parameters_are_refused_unless_unused():
-    CompletionRequest(prompt="x", logprobs=None, best_of=1, echo=False).check_unsupported()
-    with pytest.raises(OpenAIError) as e:
-        CompletionRequest(prompt="x", logprobs=2).check_unsupported()
-    assert (e.value.status, e.value.param) == (400, "logprobs")
-    assert CompletionRequest(prompt="x", logprobs=None, vendor_x=1).ignored_fields() == ["vendor_x"]
+@pytest.mark.parametrize("fields, param", [
+    ({"suffix": "x"}, "suffix"),
+    ({"best_of": 3, "n": 2}, "best_of"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    ({"structured_outputs": {"json": {}}}, "structured_outputs"),
+    ({"guided_json": {}}, "guided_json"),
+    ({"guided_regex": "a+"}, "guided_regex"),
+    ({"guided_choice": ["a"]}, "guided_choice"),
+    ({"guided_grammar": "root ::= x"}, "guided_grammar"),
+    ({"use_beam_search": True}, "use_beam_search"),
+])
+def test_unsupported_parameters_are_refused_unless_unused(fields, param):
+    for request_type, body in ((CompletionRequest, {"prompt": "x"}),
+                               (ChatCompletionRequest, {"messages": [{"role": "user",
+                                                                      "content": "x"}]})):
+        with pytest.raises(OpenAIError) as e:
+            request_type(**body, **fields).check_unsupported()
+        assert (e.value.status, e.value.param) == (400, param)
+
+
+def test_unused_values_of_unsupported_parameters_pass():
+    CompletionRequest(prompt="x", best_of=2, n=2, suffix=None, tools=[], tool_choice="none",
+                      response_format={"type": "text"}, guided_json=None).check_unsupported()
+    ChatCompletionRequest(messages=[], tool_choice="auto").check_unsupported()
+    assert CompletionRequest(prompt="x", vendor_x=1).ignored_fields() == ["vendor_x"]
 
 
 def test_pydantic_and_json_errors_become_one_400():
