@@ -4,12 +4,14 @@ tokenizer and served by minicore's LLM, whose greedy tokens must equal transform
 generate(do_sample=False) token for token, with chunked prefill (a 16-token budget) and prefix-cache
 hits asserted to have happened. Gemma2 / Gemma3 / Mistral get a sliding window of 8, far shorter
 than the sequences, Gemma2 its attention and final logit soft-caps, Cohere and Granite their logit
-scales. A DeepSeek-V3 model (multi-head latent attention) is refused at load, naming the feature."""
+scales (which greedy tokens cannot see, so compute_logits is also checked against transformers'
+logits). A DeepSeek-V3 model (multi-head latent attention) is refused at load, naming the feature."""
 
 import pytest
 import torch
 
 from minicore.llm import LLM
+from minicore.model.attention import compute_logits
 from minicore.model.loader import ModelLoadError, load_tokenizer, resolve_model_dir
 from minicore.sampling_params import SamplingParams
 
@@ -97,7 +99,8 @@ def _recorded(llm: LLM) -> list[dict]:
 def test_greedy_parity(family, tmp_path, tokenizer):
     path = _build(family, tmp_path / family, tokenizer)
     reference = _reference(path)
-    llm = LLM(str(path), max_model_len=128, block_size=16, max_num_batched_tokens=BUDGET)
+    llm = LLM(str(path), max_model_len=128, block_size=16, max_num_batched_tokens=BUDGET,
+              dtype="float32", device="cpu")
     scheduled = _recorded(llm)
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0)
     # The first prompt alone, then all: the others' shared prefix is a cache hit.
@@ -111,6 +114,23 @@ def test_greedy_parity(family, tmp_path, tokenizer):
     assert llm.llm_engine.scheduler.kv_cache_manager.prefix_cache_stats.hits > 0
     if FAMILIES[family].get("sliding_window"):
         assert min(len(p) for p in PROMPTS) > 2 * WINDOW, "the window is not exercised"
+
+
+@pytest.mark.parametrize("family", ["gemma2", "cohere", "granite"])
+def test_logits_finished_as_transformers_does(family):
+    """Greedy tokens cannot see a logit scale or a final soft-cap (argmax is unchanged), sampling
+    can: compute_logits on the LM head's output equals transformers' own logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(family, **{**_COMMON, **FAMILIES[family]})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.inference_mode():
+        head = model.get_output_embeddings()(model.base_model(input_ids=ids).last_hidden_state)
+        expected = model(input_ids=ids).logits
+    torch.testing.assert_close(compute_logits(config, head), expected)
+    assert not torch.allclose(head, expected, atol=1e-3), "the family's finishing was a no-op"
 
 
 def test_multi_head_latent_attention_is_refused(tmp_path, tokenizer):

@@ -1,9 +1,11 @@
-"""Model loading: clear errors, the crash-safe GGUF conversion cache, and what survives the cache."""
+"""Model loading: clear errors, models whose attention minicore cannot run refused by name, the
+crash-safe GGUF conversion cache (announced in the log when made), and what survives the cache."""
 
 import pytest
 import torch
 
 from minicore.model import loader
+from minicore.model.attention import use_paged_attention
 from minicore.model.loader import ModelLoadError, cached_conversion, load_model
 
 
@@ -65,3 +67,55 @@ def test_cache_round_trip_keeps_eos_and_chat_template(hf_model_and_tokenizer):
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
     )
     assert chat.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+_TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2)
+
+
+def _tiny_on_meta(family: str, **overrides):
+    """A tiny model of ``family`` on the meta device: its class and parameter names, no weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(family, **{**_TINY, **overrides})
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("family,overrides,feature", [
+    ("deepseek_v2", {}, "multi-head latent attention"),
+    ("gpt_oss", dict(num_local_experts=2, num_experts_per_tok=1), "attention sinks"),
+    ("bloom", dict(n_head=4, n_layer=2), "outside transformers' AttentionInterface"),
+    ("llama4_text", {}, "chunked local attention"),
+    ("qwen3_next", {}, r"layer_types \['linear_attention'\]"),
+    ("gemma3_text", dict(use_bidirectional_attention=True), "bidirectional"),
+    ("gpt2", dict(add_cross_attention=True, n_head=4, n_layer=2), "cross-attention"),
+])
+def test_unsupported_attention_is_refused(family, overrides, feature):
+    model = _tiny_on_meta(family, **overrides)
+    with pytest.raises(ModelLoadError, match=rf"'{family}' \(\w+\) uses .*{feature}"):
+        loader.check_attention_supported(model)
+    # A model loaded by the caller (LLM(model, tokenizer=...)) is refused as well.
+    with pytest.raises(ModelLoadError, match=feature):
+        use_paged_attention(model)
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("llama", {}), ("gemma2", dict(head_dim=8)), ("gemma3_text", dict(head_dim=8)),
+    ("qwen3_moe", dict(num_experts=2, num_experts_per_tok=1)), ("gpt2", dict(n_head=4)),
+])
+def test_supported_attention_passes(family, overrides):
+    loader.check_attention_supported(_tiny_on_meta(family, **overrides))
+
+
+def test_gguf_conversion_is_announced(tmp_path, monkeypatch, caplog):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"x")
+    monkeypatch.setattr(loader, "_convert_gguf",
+                        lambda src, out: (out / "config.json").write_text("{}"))
+    with caplog.at_level("INFO", logger=loader.__name__):
+        target = cached_conversion(gguf, tmp_path / "cache")
+        cached_conversion(gguf, tmp_path / "cache")
+    announced = [r.getMessage() for r in caplog.records if "Converting" in r.getMessage()]
+    assert len(announced) == 1, "only the first load converts"
+    assert str(gguf) in announced[0] and str(target) in announced[0]
