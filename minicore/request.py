@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from minicore.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the wire records import this module
-    from minicore.protocol import EngineCoreEvent, EngineCoreRequest
+    from minicore.protocol import EngineCoreEvent, EngineCoreRequest, LogprobsLists
 
 
 class FinishReason(enum.IntEnum):
@@ -62,7 +62,7 @@ class Request:
                  "all_token_ids", "output_token_ids", "num_prompt_tokens", "num_tokens",
                  "num_computed_tokens",
                  "num_cached_tokens", "num_preemptions", "block_hashes", "kv_transfer_params",
-                 "events")
+                 "events", "num_prompt_logprobs_sent")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_id: int | None = None,
@@ -94,6 +94,9 @@ class Request:
         # a copy, so that requests sharing one SamplingParams do not share it.
         params = sampling_params.kv_transfer_params
         self.kv_transfer_params = None if params is None else dict(params)
+        # Prompt positions whose logprobs have been sent: a preempted request recomputes its prompt,
+        # and must not send them twice.
+        self.num_prompt_logprobs_sent = 0
         # QUEUED / SCHEDULED / PREEMPTED events the scheduler records, until the request's next
         # output takes them (vLLM: record_event, take_events).
         self.events: list["EngineCoreEvent"] = []
@@ -103,6 +106,24 @@ class Request:
         return cls(request.request_id, request.prompt_token_ids, request.sampling_params,
                    request.eos_token_id, request.arrival_time, request.priority,
                    request.cache_salt)
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """vLLM's: a prefix-cache hit would skip the prompt positions whose logprobs it asked for."""
+        return self.sampling_params.prompt_logprobs is not None
+
+    def take_new_prompt_logprobs(self, chunk: "LogprobsLists", start: int) -> "LogprobsLists | None":
+        """The part of chunk (the logprobs of prompt positions start, start + 1, ...) not sent
+        yet; None if it was all sent before the request was preempted and recomputed."""
+        end = start + len(chunk.sampled_token_ranks)
+        skip = self.num_prompt_logprobs_sent - start
+        if end <= self.num_prompt_logprobs_sent:
+            return None
+        self.num_prompt_logprobs_sent = end
+        if skip <= 0:
+            return chunk
+        return type(chunk)(chunk.logprob_token_ids[skip:], chunk.logprobs[skip:],
+                           chunk.sampled_token_ranks[skip:])
 
     @property
     def num_output_tokens(self) -> int:

@@ -8,7 +8,8 @@ class ByteTokenizer:
     """Each token id is one byte (ids < 256); 256 is a special token."""
 
     def decode(self, ids, skip_special_tokens=True):
-        data = bytes(i for i in ids if i < 256)
+        data = b"".join(bytes([i]) if i < 256 else b"" if skip_special_tokens else b"<s>"
+                        for i in ids)
         return data.decode("utf-8", errors="replace")
 
     def encode(self, text):
@@ -55,3 +56,17 @@ def test_earliest_stop_string_in_one_token_wins():
     d = IncrementalDetokenizer(WordTokenizer(), [2], stop=["zz", "b"])
     assert d.update([0, 1, 3]) == "b"
     assert d.output_text == "a"
+
+
+def test_include_stop_str_in_output_cuts_after_the_stop_string():
+    tok = ByteTokenizer()
+    d = IncrementalDetokenizer(tok, tok.encode("q"), stop=["END"], include_stop_str_in_output=True)
+    assert d.update(tok.encode("abc ENDx")) == "END"
+    assert d.output_text == "abc END"
+
+
+def test_special_tokens_kept_when_not_skipped():
+    tok = ByteTokenizer()
+    d = IncrementalDetokenizer(tok, tok.encode("x"), skip_special_tokens=False)
+    d.update(tok.encode("ok") + [256])
+    assert d.output_text == "ok<s>"

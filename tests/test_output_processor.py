@@ -10,7 +10,8 @@ from test_detokenizer import ByteTokenizer
 
 from minicore.engine.input_processor import InvalidRequestError
 from minicore.engine.output_processor import OutputProcessor, RequestOutputCollector
-from minicore.protocol import EngineCoreOutput, EngineCoreRequest
+from minicore.outputs import Logprob
+from minicore.protocol import EngineCoreOutput, EngineCoreRequest, LogprobsLists
 from minicore.request import FinishReason
 from minicore.sampling_params import SamplingParams
 
@@ -79,3 +80,61 @@ async def test_abort_and_a_dead_engine_end_the_streams(processor):
         await asyncio.wait_for(failed.get(), 1)
     # A dead engine's requests get no finish hook: they did not finish.
     assert processor.finished == [("ab", "abort")] and not processor.has_unfinished_requests()
+
+
+def test_logprobs_accumulate_with_decoded_tokens_and_ranks(processor):
+    """vLLM's layout: the token first (its rank), then the top-N ranked 1..N; a piece of a
+    multi-byte character is given the text it completes; prompt logprobs start with None."""
+    processor.add_request(request("l", logprobs=1, prompt_logprobs=0), None)
+    euro = list("€".encode())
+    outputs = [
+        EngineCoreOutput("l", [], new_prompt_logprobs=LogprobsLists([[105]], [[-2.0]], [3])),
+        EngineCoreOutput("l", [75], new_prompt_logprobs=LogprobsLists([[32]], [[-0.5]], [1]),
+                         new_logprobs=LogprobsLists([[75, 76]], [[-1.5, -0.25]], [2])),
+        EngineCoreOutput("l", euro[:1], new_logprobs=LogprobsLists([[euro[0], euro[0]]],
+                                                                     [[-0.1, -0.1]], [1])),
+        EngineCoreOutput("l", euro[1:2], new_logprobs=LogprobsLists([[euro[1], euro[1]]],
+                                                                      [[-0.2, -0.2]], [1])),
+        EngineCoreOutput("l", euro[2:], FinishReason.LENGTH,
+                         new_logprobs=LogprobsLists([[euro[2], 65]], [[-0.3, -0.05]], [2]))]
+    (out,) = [o for result in map(lambda o: processor.process_outputs([o]), outputs)
+              for o in result.request_outputs]
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == 3
+    assert out.prompt_logprobs[1] == {105: Logprob(-2.0, 3, "i")}
+    completion = out.outputs[0]
+    assert completion.text == "K€"
+    assert completion.logprobs[0] == {75: Logprob(-1.5, 2, "K"), 76: Logprob(-0.25, 1, "L")}
+    assert completion.logprobs[1] == {euro[0]: Logprob(-0.1, 1, "")}
+    assert completion.logprobs[3][euro[2]] == Logprob(-0.3, 2, "€")
+    assert completion.cumulative_logprob == pytest.approx(-1.5 - 0.1 - 0.2 - 0.3)
+    assert out.metrics is not None and out.metrics.num_generation_tokens == 4
+
+
+def test_a_prompt_logprobs_only_output_wakes_no_stream(processor):
+    async def run():
+        queue = RequestOutputCollector()
+        processor.add_request(request("p", prompt_logprobs=0), None, queue)
+        processor.process_outputs([EngineCoreOutput(
+            "p", [], new_prompt_logprobs=LogprobsLists([[105]], [[-2.0]], [3]))])
+        assert not queue.ready.is_set()
+        processor.process_outputs([EngineCoreOutput(
+            "p", [75], new_prompt_logprobs=LogprobsLists([[32]], [[-0.5]], [1]))])
+        out = await queue.get()
+        assert [e and list(e) for e in out.prompt_logprobs] == [None, [105], [32]]
+        assert out.outputs[0].logprobs is None
+
+    asyncio.run(run())
+
+
+def test_include_stop_str_in_output_keeps_it_and_holds_nothing_back(processor):
+    async def run():
+        queue = RequestOutputCollector()
+        processor.add_request(request("k", stop=["END"], include_stop_str_in_output=True), None,
+                              queue)
+        processor.process_outputs([EngineCoreOutput("k", list(b"abc EN"))])
+        assert (await queue.get()).outputs[0].text == "abc EN"
+        result = processor.process_outputs([EngineCoreOutput("k", list(b"D more"))])
+        assert result.reqs_to_abort == ["k"]
+        assert (await queue.get()).outputs[0].text == "abc END"
+
+    asyncio.run(run())

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from functools import partial
 
 from minicore.config import EngineConfig
-from minicore.engine.input_processor import validate_prompt_token_ids
+from minicore.engine.input_processor import validate_prompt_token_ids, validate_sampling_params
 from minicore.kv_transfer.base import KVConnectorBase_V1, KVConnectorRole
 from minicore.kv_transfer.worker import execute_model_with_kv_connector
 from minicore.model.runner_base import ModelRunnerInterface
@@ -83,6 +83,9 @@ class EngineCore:
         """ValueError for a request the model cannot run; nothing is scheduled then."""
         validate_prompt_token_ids(request.prompt_token_ids, self.model_runner.vocab_size,
                                   self.config.scheduler_config.max_model_len)
+        validate_sampling_params(request.sampling_params, self.model_runner.vocab_size,
+                                 self.config.model_config.max_logprobs,
+                                 self.config.model_config.runner != "simulated")
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:

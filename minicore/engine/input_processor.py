@@ -1,16 +1,21 @@
 """InputProcessor: the one place a prompt and its sampling parameters are checked and turned into
 an EngineCoreRequest, for the offline LLM, AsyncLLM and the HTTP server alike.
 
-Mirrors vllm/v1/engine/input_processor.py (process_inputs, _validate_model_input): a text prompt
-is tokenized (without special tokens: a chat template already holds them), token ids must be
-integers in the vocabulary, the prompt must hold 1 to max_model_len - 1 tokens (room for one
+Mirrors vllm/v1/engine/input_processor.py (process_inputs, _validate_model_input) with
+SamplingParams.verify and update_from_tokenizer (vllm/sampling_params.py): a text prompt is
+tokenized (with the tokenizer's special tokens unless add_special_tokens=False, as vLLM; a chat
+template already holds them), truncate_prompt_tokens keeps the prompt's last tokens, token ids must
+be integers in the vocabulary, the prompt must hold 1 to max_model_len - 1 tokens (room for one
 output token, as in vLLM), a priority needs the priority policy and a DP rank must exist; text must
-be valid Unicode and integers must fit in 64 bits (SamplingParams checks its own fields).
-Everything is checked before anything is sent, so a refused request leaves nothing behind. The
-engine checks the prompt's token ids again with validate_prompt_token_ids (it trusts no frontend).
-Left out: multimodal inputs, LoRA, structured output, tokenization caches.
+be valid Unicode and integers must fit in 64 bits (SamplingParams checks its own fields). bad_words
+become bad_words_token_ids; logit_bias, allowed_token_ids, stop ids and bad words must be in the
+vocabulary, and logprobs within --max-logprobs. Everything is checked before anything is sent, so
+a refused request leaves nothing behind. The engine checks the prompt's token ids and the sampling
+token ids again (validate_prompt_token_ids, validate_sampling_params: it trusts no frontend).
+Left out: multimodal inputs, LoRA, structured output, tokenization caches, logprob_token_ids.
 """
 
+import dataclasses
 import time
 
 from minicore.config import EngineConfig
@@ -35,10 +40,13 @@ class InputProcessor:
         self.max_model_len = config.scheduler_config.max_model_len
         self.policy = config.scheduler_config.policy
         self.num_engines = config.parallel_config.data_parallel_size
+        self.max_logprobs = config.model_config.max_logprobs
+        self.has_logits = config.model_config.runner != "simulated"
 
     def process_inputs(self, request_id: str, prompt: Prompt, params: SamplingParams, *,
                        arrival_time: float | None = None, priority: int = 0,
-                       data_parallel_rank: int | None = None) -> EngineCoreRequest:
+                       data_parallel_rank: int | None = None,
+                       add_special_tokens: bool = True) -> EngineCoreRequest:
         """The EngineCoreRequest for one prompt (a string, or a list of token ids); raises
         InvalidRequestError (a ValueError) for anything the engine could not run."""
         if not isinstance(params, SamplingParams):
@@ -55,28 +63,88 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"data_parallel_rank {data_parallel_rank} is out of range: there are "
                 f"{self.num_engines} data parallel engines", "data_parallel_rank")
-        token_ids = self.tokenize(prompt)
+        token_ids = self._truncate(self.tokenize(prompt, add_special_tokens),
+                                   params.truncate_prompt_tokens)
         try:
             validate_prompt_token_ids(token_ids, self.vocab_size, self.max_model_len)
         except ValueError as e:
             raise InvalidRequestError(str(e), "prompt") from None
+        if params.bad_words:
+            params = dataclasses.replace(params, bad_words_token_ids=self._bad_words_token_ids(
+                params.bad_words))
+        validate_sampling_params(params, self.vocab_size, self.max_logprobs, self.has_logits)
         return EngineCoreRequest(
             request_id, token_ids, params, self.tokenizer.eos_token_id,
             time.monotonic() if arrival_time is None else arrival_time, priority,
             data_parallel_rank=data_parallel_rank)
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
+    def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
         """A text prompt's token ids (a list of ids is taken as it is)."""
         if isinstance(prompt, str):
             try:
                 check_text("the prompt", prompt)
             except ValueError as e:
                 raise InvalidRequestError(str(e), "prompt") from None
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         if not isinstance(prompt, list | tuple):
             raise InvalidRequestError(f"a prompt is a string or a list of token ids, got "
                                       f"{type(prompt).__name__}", "prompt")
         return list(prompt)
+
+    def _truncate(self, token_ids: list[int], keep: int | None) -> list[int]:
+        """The last `keep` tokens (-1: max_model_len), as vLLM's truncate_prompt_tokens."""
+        if keep is None:
+            return token_ids
+        if keep > self.max_model_len:
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens ({keep}) is greater than max_model_len "
+                f"({self.max_model_len})", "truncate_prompt_tokens")
+        keep = self.max_model_len if keep == -1 else keep
+        return token_ids[-keep:]
+
+    def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """Each bad word's token ids, as itself and after a space when that makes a different word
+        of as many tokens (vLLM's SamplingParams.update_from_tokenizer)."""
+        words: list[list[int]] = []
+        for bad_word in bad_words:
+            for prefix in ("", " "):
+                token_ids = self.tokenizer.encode(prefix + bad_word.lstrip(),
+                                                  add_special_tokens=False)
+                if not token_ids:
+                    if not prefix:
+                        raise InvalidRequestError(
+                            f"bad_words entry {bad_word!r} tokenizes to no token", "bad_words")
+                    continue
+                if not prefix or (token_ids[0] != words[-1][0]
+                                  and len(token_ids) == len(words[-1])):
+                    words.append(token_ids)
+        return words
+
+
+def validate_sampling_params(params: SamplingParams, vocab_size: int, max_logprobs: int,
+                             has_logits: bool = True) -> None:
+    """InvalidRequestError (a ValueError) unless every token id the sampler indexes with is in
+    [0, vocab_size) and logprobs are within max_logprobs (-1: the vocabulary), as vLLM's
+    SamplingParams.verify; a runner without logits (the simulated one) gives no logprobs."""
+    for name, token_ids in (("logit_bias", list(params.logit_bias or ())),
+                            ("allowed_token_ids", params.allowed_token_ids or []),
+                            ("stop_token_ids", params.stop_token_ids),
+                            ("bad_words", [t for word in params.bad_words_token_ids or []
+                                           for t in word])):
+        if invalid := [t for t in token_ids if not 0 <= t < vocab_size]:
+            raise InvalidRequestError(f"token id(s) {invalid[:8]} in {name} are out of the "
+                                      f"vocabulary (size {vocab_size})", name)
+    bound = vocab_size if max_logprobs == -1 else max_logprobs
+    for name in ("logprobs", "prompt_logprobs"):
+        if (num := getattr(params, name)) is None:
+            continue
+        if not has_logits:
+            raise InvalidRequestError(f"{name}: the simulated model runner computes no logits, "
+                                      "so it gives no logprobs", name)
+        if (vocab_size if num == -1 else num) > bound:
+            raise InvalidRequestError(
+                f"requested {name} of {num}, which is greater than max allowed: {bound} "
+                "(--max-logprobs)", name)
 
 
 def validate_prompt_token_ids(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:

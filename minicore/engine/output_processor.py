@@ -10,8 +10,12 @@ prefill, decode and inference times are differences of one engine's clock; the t
 is the frontend's own), and hands results over: to the request's RequestOutputCollector (AsyncLLM's
 streams) or, for a request without one (the offline LLM), as a RequestOutput once it finishes.
 Streaming holds back the last len(longest stop string) - 1 characters until they cannot start a
-stop string any more. Left out: logprobs, n > 1 fan-out, pooling outputs, iteration stats objects
-(the metrics hooks below take their place).
+stop string any more (nothing is held back with include_stop_str_in_output). Logprobs go through
+each request's LogprobsProcessor (minicore/engine/logprobs.py); a RequestOutput carries all of
+them so far. An engine output that only carries prompt logprobs (a chunked prefill) wakes no
+stream: they come with the first token, as vLLM returns them at the end of prefill. Left out: n > 1
+fan-out (the offline LLM's), pooling outputs, iteration stats objects (the metrics hooks below take
+their place).
 """
 
 import asyncio
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 
 from minicore.engine.detokenizer import IncrementalDetokenizer
 from minicore.engine.input_processor import InvalidRequestError
+from minicore.engine.logprobs import LogprobsProcessor
 from minicore.outputs import CompletionOutput, RequestOutput, RequestStateStats
 from minicore.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreRequest
 from minicore.request import FinishReason
@@ -66,8 +71,16 @@ class RequestState:
         self.queue = queue
         if queue is not None:
             queue.state = self
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop)
-        self.stop_buffer_length = max(map(len, params.stop), default=1) - 1
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, prompt_token_ids, params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens)
+        self.stop_buffer_length = (0 if params.include_stop_str_in_output
+                                   else max(map(len, params.stop), default=1) - 1)
+        self.logprobs_processor = (
+            None if params.logprobs is None and params.prompt_logprobs is None
+            else LogprobsProcessor(tokenizer, params))
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -87,6 +100,8 @@ class RequestState:
         then abort it in the engine, which does not know it is done)."""
         self.token_ids.extend(output.new_token_ids)
         self.num_cached_tokens = output.num_cached_tokens
+        if self.logprobs_processor is not None:
+            self.logprobs_processor.update_from_output(output)
         if output.finished:
             self.finish_reason, self.stop_reason = str(output.finish_reason), output.stop_reason
             self.kv_transfer_params = output.kv_transfer_params
@@ -133,8 +148,15 @@ class RequestState:
     def make_request_output(self) -> RequestOutput:
         completion = CompletionOutput(0, self.streamable_text(), list(self.token_ids),
                                       self.finish_reason, self.stop_reason)
+        prompt_logprobs = None
+        if (lp := self.logprobs_processor) is not None:
+            if lp.logprobs is not None:
+                completion.logprobs = lp.logprobs[:len(self.token_ids)]
+                completion.cumulative_logprob = lp.cumulative_logprob
+            prompt_logprobs = None if lp.prompt_logprobs is None else list(lp.prompt_logprobs)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
-                             self.finished, self.num_cached_tokens, self.kv_transfer_params)
+                             self.finished, self.num_cached_tokens, self.kv_transfer_params,
+                             prompt_logprobs, self.stats)
 
 
 @dataclass(slots=True)
@@ -191,7 +213,7 @@ class OutputProcessor:
                 result.reqs_to_abort.append(output.request_id)
             if self.on_new_tokens is not None and output.new_token_ids:
                 self.on_new_tokens(state, len(output.new_token_ids), interval)
-            if state.queue is not None:
+            if state.queue is not None and (output.new_token_ids or state.finished):
                 if output.finish_reason is FinishReason.ERROR:
                     state.queue.fail(InvalidRequestError(
                         f"the engine refused request {output.request_id!r}: "

@@ -36,6 +36,7 @@ class ModelRunnerInterface(Protocol):
 @dataclass(slots=True)
 class CachedRequestState:
     """What a runner remembers of a request between steps."""
+    # The prompt, then the outputs so far: penalties read both parts, bad words the outputs.
     token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int

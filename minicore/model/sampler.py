@@ -1,16 +1,38 @@
-"""Sampler: greedy, temperature, top-k and top-p, with per-request seeds, for a batch of logits.
+"""Sampler: one token per row of a batch of logits, with vLLM v1's logits processing, and logprobs.
 
-Mirrors vllm/v1/sample/sampler.py and ops/topk_topp_sampler.py. Random rows are sampled with the
-exponential race (argmax of probs / Exp(1) noise), which draws exactly from probs without a
-multinomial. A seeded request draws its noise from its own generator, so its tokens do not depend
-on what else is in the batch. Until a request has min_tokens outputs, its EOS and stop ids are
-masked (vLLM's MinTokensLogitsProcessor), greedy rows included. Left out: logprobs, penalties,
-min-p, logit bias, bad words.
+Mirrors vllm/v1/sample/sampler.py (Sampler.forward, apply_logits_processors, sample,
+gather_logprobs) with the stages it calls: the allowed_token_ids mask
+(vllm/v1/worker/gpu_input_batch.py), bad words (vllm/v1/sample/ops/bad_words.py), min_tokens and
+logit_bias (vllm/v1/sample/logits_processor/builtin.py), penalties (vllm/v1/sample/ops/penalties.py
+and apply_penalties in vllm/model_executor/layers/utils.py), temperature, min_p, then top-k/top-p
+(ops/topk_topp_sampler.py). The order is vLLM's: raw logprobs (log_softmax of the raw logits, its
+default logprobs_mode) -> allowed ids -> bad words -> min_tokens -> logit_bias -> penalties ->
+greedy argmax | temperature -> min_p -> top-k/top-p -> draw. Each stage runs on the whole [B, V]
+batch and is skipped when no row uses it. Random rows are sampled with the exponential race (argmax
+of probs / Exp(1) noise), which draws exactly from probs without a multinomial; a seeded request
+draws its noise from its own generator, so its tokens do not depend on the rest of the batch.
+Left out: logprobs modes other than raw_logprobs, logprob_token_ids, custom logits processors,
+speculative decoding, FlashInfer kernels.
 """
 
 from dataclasses import dataclass, field
 
 import torch
+
+from minicore.protocol import LogprobsLists
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(slots=True)
+class Penalties:
+    """Per-row penalties with the token ids they count (padded with vocab_size, which no token
+    has): repetition over the prompt and the output, frequency and presence over the output."""
+    prompt_token_ids: torch.Tensor  # [B, P] long
+    output_token_ids: torch.Tensor  # [B, O] long
+    presence: torch.Tensor  # [B] float
+    frequency: torch.Tensor  # [B] float
+    repetition: torch.Tensor  # [B] float
 
 
 @dataclass(slots=True)
@@ -22,6 +44,54 @@ class SamplingMetadata:
     all_greedy: bool
     # row -> token ids it may not sample yet (min_tokens); only rows that have some.
     blocked_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    min_p: torch.Tensor | None = None  # [B] float, 0 = off
+    # (rows, token ids, biases) of every row's logit_bias entries.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # [B, V] bool, True where a row with allowed_token_ids may not sample.
+    allowed_token_ids_mask: torch.Tensor | None = None
+    # row -> (its bad words as token ids, its output token ids so far).
+    bad_words: dict[int, tuple[list[list[int]], list[int]]] = field(default_factory=dict)
+    penalties: Penalties | None = None
+    # The most top logprobs a row asked for (the vocabulary for -1); None: no row asked.
+    max_num_logprobs: int | None = None
+
+
+@dataclass(slots=True)
+class LogprobsTensors:
+    """vLLM's LogprobsTensors: per row, [token, top-1, ..., top-K] ids and logprobs, and the
+    token's rank."""
+    token_ids: torch.Tensor  # [N, K + 1] long
+    logprobs: torch.Tensor  # [N, K + 1] float
+    ranks: torch.Tensor  # [N] long
+
+    def tolists(self, rows: range | list[int], num_logprobs: int) -> LogprobsLists:
+        """The given rows as LogprobsLists, keeping the token and its own top num_logprobs."""
+        rows = list(rows)
+        width = 1 + num_logprobs
+        return LogprobsLists(self.token_ids[rows, :width].tolist(),
+                             self.logprobs[rows, :width].tolist(), self.ranks[rows].tolist())
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    sampled: torch.Tensor  # [B] long
+    logprobs: LogprobsTensors | None = None
+
+
+def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    return logits.log_softmax(dim=-1, dtype=torch.float32)
+
+
+def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int,
+                    token_ids: torch.Tensor) -> LogprobsTensors:
+    """Each row's token and top num_logprobs logprobs, and the token's rank: how many logprobs of
+    its row are >= its own (vLLM's batched_count_greater_than), so the most likely is rank 1."""
+    top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)
+    token_ids = token_ids.unsqueeze(-1)
+    token_logprobs = logprobs.gather(-1, token_ids)
+    ranks = (logprobs >= token_logprobs).sum(-1)
+    return LogprobsTensors(torch.cat((token_ids, top_ids), dim=1),
+                           torch.cat((token_logprobs, top_logprobs), dim=1), ranks)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
@@ -32,27 +102,106 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     if top_k is not None:
         k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
         kth = sorted_logits.gather(-1, (vocab - k).unsqueeze(1))
-        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+        sorted_logits.masked_fill_(sorted_logits < kth, _NEG_INF)
     if top_p is not None:
         cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         drop = cum <= (1 - top_p).unsqueeze(1)
         drop[:, -1] = False
-        sorted_logits.masked_fill_(drop, float("-inf"))
+        sorted_logits.masked_fill_(drop, _NEG_INF)
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Sample one token per row of logits [B, V] (float32); returns [B] token ids."""
-    for row, token_ids in meta.blocked_token_ids.items():
-        logits[row, token_ids] = float("-inf")
-    greedy = logits.argmax(dim=-1)
-    if meta.all_greedy:
-        return greedy
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask the tokens whose probability is below min_p times their row's highest (vLLM's
+    MinPLogitsProcessor; after temperature)."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill_(probs < threshold, _NEG_INF)
+
+
+def _bin_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] how often each token occurs in each row of token_ids (padding vocab_size dropped)."""
+    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=torch.long,
+                         device=token_ids.device)
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    """vLLM's apply_penalties: repetition divides a positive logit (multiplies a negative one) of a
+    token seen in the prompt or the output; frequency subtracts per output occurrence, presence
+    once per token in the output (OpenAI's definitions)."""
+    vocab = logits.shape[-1]
+    output_counts = _bin_counts(p.output_token_ids, vocab)
+    output_mask = output_counts > 0
+    seen = output_mask | (_bin_counts(p.prompt_token_ids, vocab) > 0)
+    penalty = torch.where(seen, p.repetition.unsqueeze(1), 1.0)
+    logits *= torch.where(logits > 0, 1.0 / penalty, penalty)
+    logits -= p.frequency.unsqueeze(1) * output_counts
+    logits -= p.presence.unsqueeze(1) * output_mask
+    return logits
+
+
+def _bad_word_hits(bad_words: dict[int, tuple[list[list[int]], list[int]]]
+                   ) -> tuple[list[int], list[int]]:
+    """(rows, token ids) to mask: a bad word's last token, where the row's output ends with the
+    word's other tokens (vLLM's _apply_bad_words_single_batch)."""
+    rows, token_ids = [], []
+    for row, (words, past) in bad_words.items():
+        for word in words:
+            prefix = len(word) - 1
+            if prefix <= len(past) and (prefix == 0 or past[-prefix:] == word[:-1]):
+                rows.append(row)
+                token_ids.append(word[-1])
+    return rows, token_ids
+
+
+def _mask_pairs(logits: torch.Tensor, rows: list[int], token_ids: list[int]) -> None:
+    if rows:
+        logits[torch.tensor(rows, device=logits.device),
+               torch.tensor(token_ids, device=logits.device)] = _NEG_INF
+
+
+def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """What may change even a greedy row's choice, in vLLM's order: allowed ids, bad words,
+    min_tokens, logit_bias, penalties."""
+    if meta.allowed_token_ids_mask is not None:
+        logits.masked_fill_(meta.allowed_token_ids_mask, _NEG_INF)
+    if meta.bad_words:
+        _mask_pairs(logits, *_bad_word_hits(meta.bad_words))
+    if meta.blocked_token_ids:
+        blocked = meta.blocked_token_ids
+        _mask_pairs(logits, [row for row, ids in blocked.items() for _ in ids],
+                    [token_id for ids in blocked.values() for token_id in ids])
+    if meta.logit_bias is not None:
+        rows, token_ids, biases = meta.logit_bias
+        logits[rows, token_ids] += biases
+    if meta.penalties is not None:
+        logits = apply_penalties(logits, meta.penalties)
+    return logits
+
+
+def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+    """Sample one token per row of logits [B, V] (float32, changed in place), with the top
+    logprobs of the raw logits when a row asked for them."""
+    raw_logprobs = None if meta.max_num_logprobs is None else compute_logprobs(logits)
+    logits = apply_logits_processors(logits, meta)
+    sampled = logits.argmax(dim=-1)
+    if not meta.all_greedy:
+        sampled = torch.where(meta.temperature == 0, sampled, _sample_random(logits, meta))
+    if raw_logprobs is None:
+        return SamplerOutput(sampled)
+    return SamplerOutput(sampled, gather_logprobs(raw_logprobs, meta.max_num_logprobs, sampled))
+
+
+def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     temperature = meta.temperature.clamp(min=1e-5).unsqueeze(1)
-    logits = apply_top_k_top_p(logits / temperature, meta.top_k, meta.top_p)
+    logits = logits / temperature
+    if meta.min_p is not None:
+        logits = apply_min_p(logits, meta.min_p)
+    logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
     probs = logits.softmax(dim=-1)
     noise = torch.empty_like(probs).exponential_()
     for row, generator in meta.generators.items():
         noise[row].exponential_(generator=generator)
-    sampled = probs.div_(noise).argmax(dim=-1)
-    return torch.where(meta.temperature == 0, greedy, sampled)
+    return probs.div_(noise).argmax(dim=-1)

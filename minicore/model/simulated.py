@@ -19,7 +19,9 @@ a cost model). It implements ModelRunnerInterface (minicore/model/runner_base.py
   An empty schedule runs no forward, as in ModelRunner.
 - KV cache: cache_config.num_blocks if set, else kv_cache_memory over a nominal per-token size
   (SmolLM2-135M's K and V in float32); the blocks are only counted, never allocated.
-Left out: sampling parameters (temperature, seeds, top-k/p do not change the made-up tokens).
+Left out: sampling parameters (temperature, seeds, top-k/p, penalties, bias, allowed and bad words do
+not change the made-up tokens). Logprobs cannot be made up honestly without logits: a request
+asking for them is refused (the InputProcessor and EngineCore.add_request check has_logits).
 """
 
 import json

@@ -65,8 +65,9 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest run of cached full blocks from the request's start, and its length in
         tokens. The last token is always recomputed: the model must run on at least one token to
-        produce the logits the request samples from."""
-        if not self.enable_caching:
+        produce the logits the request samples from. None for a request that asked for prompt
+        logprobs: the model must compute every prompt position (vLLM: skip_reading_prefix_cache)."""
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits = []

@@ -330,6 +330,19 @@ class Scheduler(RemoteKVMixin):
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
+    def _add_logprobs(self, output: EngineCoreOutput, request: Request, so: SchedulerOutput,
+                      runner_output: ModelRunnerOutput) -> EngineCoreOutput:
+        """Give output the request's sampled-token logprobs and its prompt logprobs not sent yet
+        (a chunk starts where the step's tokens for the request began)."""
+        req_id = output.request_id
+        if runner_output.logprobs is not None:
+            output.new_logprobs = runner_output.logprobs.get(req_id)
+        if runner_output.prompt_logprobs is not None and (
+                chunk := runner_output.prompt_logprobs.get(req_id)) is not None:
+            start = request.num_computed_tokens - so.num_scheduled_tokens[req_id]
+            output.new_prompt_logprobs = request.take_new_prompt_logprobs(chunk, start)
+        return output
+
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, stop finished requests, free their blocks; return the new tokens
@@ -339,9 +352,21 @@ class Scheduler(RemoteKVMixin):
         outputs: list[EngineCoreOutput] = []
         finished: list[tuple[Request, RequestStatus]] = []
         kv_connector_output = model_runner_output.kv_connector_output
+        with_logprobs = (model_runner_output.logprobs is not None
+                         or model_runner_output.prompt_logprobs is not None)
         for req_id, index in model_runner_output.req_id_to_index.items():
             new_token_ids = sampled_token_ids[index]
-            if not new_token_ids or (request := requests.get(req_id)) is None:
+            if (request := requests.get(req_id)) is None:
+                continue
+            if not new_token_ids:
+                # Mid-prefill: an output only to carry a chunk of prompt logprobs (as vLLM).
+                if with_logprobs:
+                    output = self._add_logprobs(
+                        EngineCoreOutput(req_id, [], num_cached_tokens=request.num_cached_tokens),
+                        request, scheduler_output, model_runner_output)
+                    if output.new_prompt_logprobs is not None:
+                        output.events = request.take_events() if request.events else None
+                        outputs.append(output)
                 continue
             status = None
             for n, token_id in enumerate(new_token_ids):
@@ -354,6 +379,8 @@ class Scheduler(RemoteKVMixin):
                 req_id, new_token_ids, RequestStatus.get_finished_reason(status) if status else None,
                 request.stop_reason, request.num_cached_tokens,
                 events=request.take_events() if request.events else None))
+            if with_logprobs:
+                self._add_logprobs(outputs[-1], request, scheduler_output, model_runner_output)
         if finished and (kv_transfer_params := self._finish(finished)):
             for output in outputs:
                 output.kv_transfer_params = kv_transfer_params.get(output.request_id)
