@@ -18,7 +18,8 @@ vLLM and minicore into one Prometheus can pass `--metrics-prefix minicore` to ke
 Deviations: a request aborted by its client (frontend abort) counts in request_success with
 finished_reason="abort" (vLLM counts only engine-finished requests) but is observed in no
 histogram (as vLLM). request_params_n and request_max_num_generation_tokens are observed per
-engine request: the server runs n choices as n engine requests (vLLM: once per parent request).
+engine request, and the server runs n choices as n engine requests with n=1: a request with n=4
+is four observations of n=1 (vLLM: one of n=4, with the longest choice's tokens).
 The prefix cache hit rate in the log line is since start (vLLM: over the last 1000 requests).
 Left out (nothing in minicore to measure): spec decoding, LoRA, multimodal cache, KV connector
 transfer stats and external prefix cache, KV block residency (--kv-cache-metrics), NaN-corrupted

@@ -256,8 +256,12 @@ def test_metrics_have_vllm_names_and_count_the_requests(http):
                  "prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total",
                  "prompt_tokens_total", "generation_tokens_total",
                  "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
-                 "e2e_request_latency_seconds_bucket"):
+                 "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket",
+                 "request_prefill_time_seconds_bucket", "request_decode_time_seconds_bucket",
+                 "request_prompt_tokens_bucket", "request_generation_tokens_bucket",
+                 "request_max_num_generation_tokens_bucket", "iteration_tokens_total_bucket"):
         assert f'vllm:{name}{{' in text, name
+    assert "\nprocess_resident_memory_bytes " in text
     assert _metric(http, "vllm:request_success_total", finished_reason="length") >= 2
     assert _metric(http, "vllm:request_success_total", finished_reason="stop") >= 2
     assert _metric(http, "vllm:prompt_tokens_total") > 0
