@@ -75,7 +75,8 @@ def check_attention_supported(model: PreTrainedModel) -> None:
     run ``model`` exactly. The tests are on config fields and on the model class, which hold for
     every transformers family that has the feature, not on a list of model names."""
     config = model.config
-    feature = _unsupported_attention(config)
+    # A multimodal model keeps its language model's attention fields in the text config.
+    feature = _unsupported_attention(config) or _unsupported_attention(config.get_text_config())
     if feature is None and not type(model)._supports_attention_backend:
         feature = ("its own attention code, outside transformers' AttentionInterface where "
                    "minicore's paged attention plugs in (e.g. the ALiBi models Bloom, MPT, Falcon)")

@@ -17,7 +17,7 @@ from minicore.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.model
 
-MAX_NEW = 12
+MAX_NEW = 10
 BUDGET = 16  # max_num_batched_tokens: every prompt below is chunked
 WINDOW = 8
 _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -100,7 +100,7 @@ def test_greedy_parity(family, tmp_path, tokenizer):
     path = _build(family, tmp_path / family, tokenizer)
     reference = _reference(path)
     llm = LLM(str(path), max_model_len=128, block_size=16, max_num_batched_tokens=BUDGET,
-              dtype="float32", device="cpu")
+              num_blocks=32, dtype="float32", device="cpu")
     scheduled = _recorded(llm)
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0)
     # The first prompt alone, then all: the others' shared prefix is a cache hit.
