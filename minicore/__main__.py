@@ -4,13 +4,13 @@ Mirrors vllm/entrypoints/cli/ in spirit: one subcommand per entry point, flags w
 """
 
 import argparse
-import logging
 import os
 import re
 import sys
 
 from minicore.config import add_engine_cli_args, create_engine_config, engine_kwargs_from_cli
 from minicore.dp.sim_report import add_simulate_args, simulate_main
+from minicore.logger import configure_logging
 
 # generate's LLM runs one in-process engine, which refuses data parallelism, on the transformers
 # runner only (it takes the tokenizer and vocab from the loaded model); generate's own --seed seeds
@@ -68,20 +68,21 @@ def check_local_paths(config) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
+    # Ctrl+C or SIGTERM during the imports below ends the process quietly, exit status 0.
+    from minicore.entrypoints.utils import exit_zero_after_shutdown_signals
+
+    exit_zero_after_shutdown_signals()
+    configure_logging("MainProcess" if args.headless else "APIServer")  # vLLM's process names
     # Every check that needs no model first, before the server's imports: a bad flag fails fast.
     if args.model_tag is not None:
         args.model = args.model_tag
     config = create_engine_config(**engine_kwargs_from_cli(args))
     check_local_paths(config)
 
-    import asyncio
-
     import uvloop
 
     from minicore.entrypoints.api_server import run_server
 
-    logging.basicConfig(level=logging.INFO, datefmt="%m-%d %H:%M:%S",
-                        format="%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s")
     if args.headless:
         from minicore.dp.launch import run_headless
 
@@ -90,10 +91,7 @@ def _serve(args: argparse.Namespace) -> None:
     if config.parallel_config.data_parallel_start_rank != 0:
         raise ValueError("the frontend's machine runs the DP ranks from 0: "
                          "--data-parallel-start-rank is for --headless")
-    try:
-        uvloop.run(run_server(config, args))
-    except asyncio.CancelledError:  # a signal while the engine was starting
-        sys.exit("minicore: stopped before the server started")
+    uvloop.run(run_server(config, args))
 
 
 def _add_proxy_args(parser: argparse.ArgumentParser) -> None:
@@ -119,6 +117,7 @@ def _generate(args: argparse.Namespace) -> None:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    configure_logging("MainProcess")
     llm = LLM(**engine_kwargs_from_cli(args, GENERATE_EXCLUDE))
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)

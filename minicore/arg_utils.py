@@ -2,9 +2,11 @@
 
 Mirrors vllm/utils/argparse_utils.py (human_readable_int), the template loading of vLLM's
 chat utilities (load_chat_template) and the generation-config reading of vllm/config/model.py
-(try_get_generation_config, get_diff_sampling_param). Left out: human_readable_int_or_auto
-(minicore does not derive max_model_len from the model), a generation config taken from
-config.json when a model has no generation_config.json, --override-generation-config.
+(try_get_generation_config, get_diff_sampling_param), and --max-model-len auto
+(human_readable_int_or_auto; the model's context length by _get_and_verify_max_len's rule,
+derived_max_model_len). Left out: a generation config taken from config.json when a model has
+no generation_config.json, --override-generation-config; auto's fitting of max_model_len to the
+KV cache (minicore refuses at start a cache that cannot hold one request of max_model_len).
 """
 
 import argparse
@@ -19,6 +21,15 @@ _SAMPLING_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty",
 
 # Characters that make a --chat-template value an inline template, not a file path (vLLM's rule).
 _JINJA_CHARS = "{}\n"
+
+
+def human_readable_int_or_auto(value: str) -> int:
+    """vLLM's --max-model-len type: human_readable_int, or -1 for '-1' and 'auto' (the model's
+    own context length)."""
+    value = value.strip()
+    if value == "-1" or value.lower() == "auto":
+        return -1
+    return human_readable_int(value)
 
 
 def human_readable_int(value: str) -> int:
@@ -66,7 +77,12 @@ def check_generation_config(value: str) -> None:
 def read_generation_config(folder: str | os.PathLike) -> dict:
     """A folder's generation_config.json as a dict; {} when it has none (vLLM too then goes on
     with its own defaults)."""
-    path = Path(folder).expanduser() / "generation_config.json"
+    return read_json_file(folder, "generation_config.json")
+
+
+def read_json_file(folder: str | os.PathLike, name: str) -> dict:
+    """A JSON object file of a model's folder as a dict; {} when the folder has no such file."""
+    path = Path(folder).expanduser() / name
     if not path.is_file():
         return {}
     try:
@@ -85,3 +101,37 @@ def diff_sampling_param(generation_config: dict) -> dict:
     if "max_new_tokens" in diff:
         diff["max_tokens"] = diff.pop("max_new_tokens")
     return diff
+
+
+# config.json keys that bound a model's context, smallest first wins (vLLM's possible_keys in
+# vllm/transformers_utils/model_arch_config_convertor.py).
+_MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                 "model_max_length", "max_target_positions", "max_sequence_length",
+                 "max_seq_length", "seq_len")
+# vLLM's default when config.json names no length (it warns).
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def derived_max_model_len(hf_config: dict, tokenizer_config: dict | None = None) -> int:
+    """A model's context length, as vLLM derives max_model_len when it is unset or auto
+    (vllm/config/model.py _get_and_verify_max_len): the smallest of config.json's length keys
+    (the text config's, for a multimodal model; Command-R's model_max_length wins), capped by the
+    tokenizer's model_max_length, scaled by a linear or dynamic RoPE factor; LongRoPE uses its
+    original_max_position_embeddings."""
+    config = hf_config.get("text_config") or hf_config
+    lengths = [config[k] for k in _MAX_LEN_KEYS if isinstance(config.get(k), (int, float))]
+    derived = min(lengths, default=float("inf"))
+    if isinstance(config.get("model_max_length"), int):
+        derived = config["model_max_length"]
+    tokenizer_max = (tokenizer_config or {}).get("model_max_length")
+    if isinstance(tokenizer_max, (int, float)):
+        derived = min(derived, tokenizer_max)
+    if derived == float("inf"):
+        return DEFAULT_MAX_MODEL_LEN
+    rope = config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type"))
+    if rope_type == "longrope":
+        return int(config.get("original_max_position_embeddings", derived))
+    if rope_type in ("linear", "dynamic") and "gemma3" not in str(config.get("model_type")):
+        derived *= rope.get("factor") or 1.0
+    return int(derived)

@@ -26,6 +26,7 @@ from minicore.arg_utils import (
     check_generation_config,
     diff_sampling_param,
     human_readable_int,
+    human_readable_int_or_auto,
     read_generation_config,
     resolve_chat_template,
 )
@@ -58,8 +59,8 @@ class SchedulerConfig:
     # type=: vLLM's human-readable integers (32k, 1K) for the token counts it reads that way.
     max_num_batched_tokens: int = _flag(8192, "most tokens one step computes, over all requests",
                                         type=human_readable_int)
-    max_model_len: int = _flag(2048, "most tokens of one request, prompt and output together "
-                                     "(32k: 32000, 32K: 32768)", type=human_readable_int)
+    max_model_len: int = _flag(2048, "a request's most tokens, prompt and output (32k: 32000, 32K: "
+                                     "32768; auto: the model's)", type=human_readable_int_or_auto)
     long_prefill_token_threshold: int = _flag(
         0, "cut a prefill longer than this into chunks of this size; 0: no cap beyond the step's "
            "token budget")
@@ -91,7 +92,7 @@ class SchedulerConfig:
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) < 1 and (name, getattr(self, name)) != ("max_model_len", -1):
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0, got "

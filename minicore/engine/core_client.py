@@ -79,6 +79,8 @@ class AsyncMPClient:
         self.manager: CoreEngineProcManager | None = None
         self._dead_reason: str | None = None
         self._shutting_down = False
+        # Set by expect_engine_exit: engines stopping now are no error to log.
+        self._exit_expected = False
         self._utility_calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._encoder = msgspec.msgpack.Encoder()
@@ -175,12 +177,18 @@ class AsyncMPClient:
         if not self._engine_exited.done():
             self._engine_exited.set_result(reason)
 
+    def expect_engine_exit(self) -> None:
+        """The server is stopping on a signal, which a terminal's Ctrl+C also sends to the
+        engines (the whole process group): their exit from now on is expected, not logged as an
+        error. shutdown() still stops whatever is left."""
+        self._exit_expected = True
+
     def set_dead(self, reason: str) -> None:
         """Turn dead (once): stop the local engines, fail utility calls, tell on_dead."""
         if self._dead_reason is not None:
             return
         self._dead_reason = reason
-        if not self._shutting_down:
+        if not self._shutting_down and not self._exit_expected:
             logger.error("the engine core is dead: %s", reason)
             if self.manager is not None:
                 self.manager.terminate()

@@ -17,7 +17,6 @@ Left out: Ray, elastic scaling, several API servers.
 import asyncio
 import contextlib
 import dataclasses
-import logging
 import multiprocessing
 import os
 import signal
@@ -28,19 +27,22 @@ import msgspec
 import uvloop
 import zmq.asyncio
 
+from minicore.arg_utils import derived_max_model_len, read_json_file
 from minicore.config import EngineConfig
 from minicore.engine.core_proc import HANDSHAKE_TIMEOUT_S, EngineCoreProc
+from minicore.logger import configure_logging, init_logger
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 STOP_TIMEOUT_S = 5.0
 
 
 def resolve_model(config: EngineConfig) -> EngineConfig:
     """The config with its model resolved to a safetensors directory (a GGUF is converted once and
-    cached), so that the frontend and every engine read the same files. With expert parallelism,
-    a model it cannot serve is refused here, from its config alone, before any engine starts
-    (ExpertParallelError, a ValueError: `serve` prints it as a configuration error)."""
+    cached), so that the frontend and every engine read the same files, and max_model_len auto
+    (-1) to the model's context length. With expert parallelism, a model it cannot serve is
+    refused here, from its config alone, before any engine starts (ExpertParallelError, a
+    ValueError: `serve` prints it as a configuration error)."""
     from minicore.model.loader import resolve_model_dir
 
     model_dir = str(resolve_model_dir(config.model_config.model))
@@ -52,8 +54,24 @@ def resolve_model(config: EngineConfig) -> EngineConfig:
 
         hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         check_expert_parallel(hf_config, pc.data_parallel_size)
+    config = resolve_max_model_len(config, read_json_file(model_dir, "config.json"),
+                                   read_json_file(config.model_config.tokenizer or model_dir,
+                                                  "tokenizer_config.json"))
     return dataclasses.replace(
         config, model_config=dataclasses.replace(config.model_config, model=model_dir))
+
+
+def resolve_max_model_len(config: EngineConfig, hf_config: dict,
+                          tokenizer_config: dict) -> EngineConfig:
+    """--max-model-len auto (-1): the model's context length (vLLM's derivation, from its
+    config.json and tokenizer_config.json as dicts); any other value as it is."""
+    sc = config.scheduler_config
+    if sc.max_model_len != -1:
+        return config
+    max_model_len = derived_max_model_len(hf_config, tokenizer_config)
+    logger.info("max_model_len auto: %d, the model's context length", max_model_len)
+    return dataclasses.replace(config, scheduler_config=dataclasses.replace(
+        sc, max_model_len=max_model_len))
 
 
 # ---- in the engine process ----------------------------------------------------------------------
@@ -86,6 +104,7 @@ def run_engine_core(config: EngineConfig, handshake_address: str, engine_index: 
             config.parallel_config.data_parallel_rank = engine_index
             engine_core_cls = DPEngineCoreProc
         engine_core = engine_core_cls(config, handshake_address, engine_index, handshake_timeout)
+        log_engine_config(engine_core.config, engine_core.model_runner)
         uvloop.run(engine_core.run())
         logger.info("EngineCore exiting.")
     except SystemExit:
@@ -102,12 +121,28 @@ def run_engine_core(config: EngineConfig, handshake_address: str, engine_index: 
             engine_core.close(fatal)
 
 
+def log_engine_config(config: EngineConfig, runner) -> None:
+    """One INFO line with the effective config, values resolved (vLLM's "Initializing a V1 LLM
+    engine ... with config: ..."): logged by each engine once its model and KV cache are up."""
+    mc, sc, cc = config.model_config, config.scheduler_config, config.cache_config
+    model = getattr(runner, "model", None)  # the simulated runner has no model
+    kv_caches = getattr(runner, "kv_caches", None) or []
+    kv_bytes = sum(t.numel() * t.element_size() for t in kv_caches)
+    logger.info(
+        "Initializing a minicore engine with config: model=%r, tokenizer=%r, runner=%s, "
+        "dtype=%s, device=%s, max_seq_len=%d, block_size=%d, kv_cache=%d blocks (%d tokens, "
+        "%.2f GiB), max_num_seqs=%d, max_num_batched_tokens=%d, enable_prefix_caching=%s, "
+        "enable_chunked_prefill=%s, scheduling_policy=%s, data_parallel_size=%d, seed=%d, "
+        "generation_config=%s", mc.model, mc.tokenizer or mc.model, mc.runner,
+        getattr(model, "dtype", "none"), getattr(runner, "device", "none"), sc.max_model_len,
+        cc.block_size, cc.num_blocks, (cc.num_blocks - 1) * cc.block_size, kv_bytes / 2**30,
+        sc.max_num_seqs, sc.max_num_batched_tokens, cc.enable_prefix_caching,
+        sc.enable_chunked_prefill, sc.policy, config.parallel_config.data_parallel_size,
+        mc.seed, mc.generation_config)
+
+
 def _configure_process(config: EngineConfig, engine_index: int) -> None:
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=logging.INFO,
-            format=f"%(asctime)s %(levelname)s [EngineCore_{engine_index} pid={os.getpid()}] "
-                   "%(name)s: %(message)s")
+    configure_logging(f"EngineCore_DP{engine_index}")  # vLLM's name for an engine process
     if config.model_config.runner == "simulated":
         return
     import torch

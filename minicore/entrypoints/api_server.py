@@ -10,6 +10,7 @@ responses), CORS and SSL options, multiple API servers, /sleep and the dev endpo
 
 import asyncio
 import logging
+import os
 import secrets
 from contextlib import asynccontextmanager, suppress
 
@@ -36,6 +37,7 @@ from minicore.entrypoints.openai_protocol import (
 )
 from minicore.entrypoints.serving import OpenAIServing
 from minicore.entrypoints.serving_tokenization import detokenize, tokenize
+from minicore.logger import uvicorn_log_config
 from minicore.entrypoints.utils import (
     SSEResponse,
     error_response,
@@ -242,6 +244,8 @@ class ApiServer(uvicorn.Server):
         first = not self.should_exit
         super().handle_exit(sig, frame)
         if first:
+            # Ctrl+C reaches the engines too (the terminal signals the process group).
+            self.serving.client.engine_core.expect_engine_exit()
             self.loop.call_soon_threadsafe(self.serving.begin_shutdown)
 
 
@@ -258,9 +262,17 @@ async def run_server(config: EngineConfig, args) -> None:
         client = await AsyncLLM.from_engine_config(config)
     except (RuntimeError, TimeoutError) as e:  # the engine died or hung while starting
         raise SystemExit(f"minicore: the engine did not start: {e}") from None
+    except asyncio.CancelledError:
+        # The engines started so far are stopped (make_async_mp_client); a thread may still be
+        # converting the model or loading the tokenizer, which nothing interrupts: exit now
+        # rather than wait for it, with status 0 as after serving.
+        logger.info("stopped before the server started")
+        logging.shutdown()
+        os._exit(0)
     finally:
         for sig in uvicorn.server.HANDLED_SIGNALS:
             loop.remove_signal_handler(sig)
+        exit_zero_after_shutdown_signals()
     try:
         model_names = args.served_model_name or [client.model_name]
         num_engines = config.parallel_config.data_parallel_size
@@ -275,10 +287,10 @@ async def run_server(config: EngineConfig, args) -> None:
                         args.enable_server_load_tracking)
         server = ApiServer(uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+            log_config=uvicorn_log_config(args.uvicorn_log_level),
             access_log=not args.disable_uvicorn_access_log,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S), serving, loop)
         logger.info("serving %s on http://%s:%d", ", ".join(model_names), args.host, args.port)
-        exit_zero_after_shutdown_signals()
         await server.serve()
     finally:
         # The lifespan has normally done this already; not when startup failed or on a forced exit.

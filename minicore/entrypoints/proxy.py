@@ -38,6 +38,7 @@ from minicore.entrypoints.utils import (
     json_response,
     with_cancellation,
 )
+from minicore.logger import configure_logging, uvicorn_log_config
 
 logger = logging.getLogger(__name__)
 
@@ -251,12 +252,12 @@ def build_proxy_app(proxy: Proxy) -> FastAPI:
 def proxy_main(args: argparse.Namespace) -> None:
     import uvloop
 
-    logging.basicConfig(level=logging.INFO, datefmt="%m-%d %H:%M:%S",
-                        format="%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s")
+    configure_logging("Proxy")
     proxy = Proxy(args.prefill, args.decode)
     server = uvicorn.Server(uvicorn.Config(
         build_proxy_app(proxy), host=args.host, port=args.port,
-        log_level=args.uvicorn_log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+        log_level=args.uvicorn_log_level, log_config=uvicorn_log_config(args.uvicorn_log_level),
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
     exit_zero_after_shutdown_signals()
     logger.info("proxy on http://%s:%d: prefill %s, decode %s", args.host, args.port,
                 ", ".join(proxy.prefill_urls), ", ".join(proxy.decode_urls))

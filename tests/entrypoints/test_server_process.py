@@ -1,10 +1,13 @@
 """The server as a process: a dead engine fails in-flight requests fast and turns /health to 503;
-SIGTERM ends the server within seconds, its streams finishing as "abort", with no child left.
-The engine runs the SIMULATED runner (made-up tokens every 20 ms): what matters here is the
-processes, not the model, and each of these tests needs a server of its own."""
+SIGTERM, and Ctrl+C on the whole process group, end the server within seconds, its streams
+finishing as "abort", with no child left, no traceback and one log format. The engine runs the
+SIMULATED runner (made-up tokens every 20 ms): what matters here is the processes, not the model,
+and each of these tests needs a server of its own."""
 
 import asyncio
 import json
+import os
+import re
 import signal
 import time
 
@@ -16,6 +19,9 @@ SIMULATED = ["--runner", "simulated", "--simulated-cost", '{"step_s": 0.02}',
              "--max-model-len", "1024", "--kv-cache-memory", str(64 << 20)]
 LONG = {"prompt": "Tell me everything.", "max_tokens": 900, "ignore_eos": True}
 FAIL_FAST_S = 5.0
+# vLLM's log line: (process pid=N) LEVEL MM-DD HH:MM:SS [file.py:line] message
+VLLM_LOG_LINE = re.compile(r"\((APIServer|EngineCore_DP\d+) pid=\d+\) (DEBUG|INFO|WARNING|ERROR) "
+                           r"\d\d-\d\d \d\d:\d\d:\d\d \[[\w.]+\.py:\d+\] ")
 SIGTERM_EXIT_S = 5.0
 
 
@@ -77,3 +83,36 @@ async def test_sigterm_exits_within_seconds_and_leaves_no_process():
         assert events[-1]["choices"][0]["finish_reason"] == "abort"
         _, alive = psutil.wait_procs(children, timeout=2)
         assert not alive, f"left behind: {alive}"
+
+
+async def test_ctrl_c_on_the_process_group_exits_quietly_and_leaves_no_process():
+    """A terminal's Ctrl+C sends SIGINT to the whole process group, engines included: the server
+    exits 0 as fast as on SIGTERM, nothing logs a traceback or an error, and every line of the
+    log (frontend, engine, uvicorn) is in vLLM's format, naming its process."""
+    with ServerProcess(*SIMULATED) as server:
+        children = server.children()
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http, \
+                asyncio.timeout(60):
+            started = asyncio.Event()
+            stream = asyncio.create_task(_first_event_then_rest(http, started))
+            await started.wait()
+
+            os.killpg(server.proc.pid, signal.SIGINT)
+            t0 = time.monotonic()
+            events = await stream
+            assert await asyncio.to_thread(server.proc.wait, SIGTERM_EXIT_S) == 0
+            assert time.monotonic() - t0 < SIGTERM_EXIT_S
+        assert events[-1]["choices"][0]["finish_reason"] == "abort"
+        _, alive = psutil.wait_procs(children, timeout=2)
+        assert not alive, f"left behind: {alive}"
+        log = server.log_path.read_text(errors="replace")
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
+    assert " ERROR " not in log, log
+    lines = [line for line in log.splitlines() if line.strip()]
+    for line in lines:
+        assert VLLM_LOG_LINE.match(line), line
+    assert any(line.startswith("(APIServer pid=") for line in lines), log
+    assert any(line.startswith("(EngineCore_DP0 pid=") for line in lines), log
+    assert any("Initializing a minicore engine with config: " in line
+               and "max_seq_len=1024" in line for line in lines), log
+    assert any("Uvicorn running on" in line and line.startswith("(APIServer") for line in lines)
