@@ -75,6 +75,8 @@ def test_remote_prefill_then_remote_decode():
     read = out.kv_connector_metadata.reqs_to_recv["r"]
     assert read.remote_block_ids == held and len(read.local_block_ids) == 3
     assert d.get_request_counts() == (0, 1) and num_free(d) == NUM_BLOCKS - 4
+    # vllm:num_requests_waiting_by_reason{reason="deferred"}
+    assert d.make_stats().num_deferred_waiting_reqs == 1
     # Parked blocks are not in the prefix cache until their KV is there.
     assert not d.kv_cache_manager.block_pool.cached_block_hash_to_block
 
@@ -93,6 +95,9 @@ def test_remote_prefill_then_remote_decode():
         _, more = step(d)
         outputs += more
     assert sum(len(o.new_token_ids) for o in outputs) == 3
+    # Parking is no scheduling: one SCHEDULED event, when it ran (the queue time spans the read).
+    assert [e.type.name for e in outputs[0].events] == ["QUEUED", "SCHEDULED"]
+    assert d.make_stats().num_deferred_waiting_reqs == 0
     assert_empty(d)
 
 
