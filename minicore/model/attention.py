@@ -39,6 +39,12 @@ from minicore.model.loader import check_attention_supported
 
 ATTN_IMPLEMENTATION = "minicore_paged"
 META_KWARG = "minicore_meta"
+# Attention arguments of transformers models that this implementation does not apply; the loader
+# refuses the models that pass them, and a model its check missed fails here, never runs wrong.
+_UNSUPPORTED_KWARGS = {"s_aux": "attention sinks", "sinks": "attention sinks",
+                       "position_bias": "relative position bias",
+                       "indices": "sparse attention (top-k indices)",
+                       "block_indices": "block-sparse attention"}
 
 
 @dataclass(slots=True)
@@ -168,8 +174,7 @@ def paged_attention_forward(
             f"{ATTN_IMPLEMENTATION!r} attention needs the {META_KWARG}= forward argument; "
             "use model.set_attn_implementation('sdpa') for a plain forward"
         )
-    if kwargs.get("s_aux") is not None:  # a model the loader's check missed: never a wrong answer
-        raise ValueError(f"{ATTN_IMPLEMENTATION!r} attention does not support attention sinks")
+    _refuse_unsupported(kwargs)
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     softcap = kwargs.get("softcap")
     kv_cache = meta.kv_caches[module.layer_idx]
@@ -185,6 +190,15 @@ def paged_attention_forward(
         k_seq, v_seq = _sequence_kv(k[start:end], v[start:end], kv_cache, meta, i)
         out[start:end] = _prefill_attention(q[start:end], k_seq, v_seq, scaling, window, softcap)
     return out.unsqueeze(0), None
+
+
+def _refuse_unsupported(kwargs: dict) -> None:
+    unsupported = [feature for name, feature in _UNSUPPORTED_KWARGS.items()
+                   if kwargs.get(name) is not None]
+    if kwargs.get("is_causal") is False:
+        unsupported.append("non-causal attention")
+    if unsupported:
+        raise ValueError(f"{ATTN_IMPLEMENTATION!r} attention does not support {unsupported[0]}")
 
 
 def write_kv_cache(

@@ -187,3 +187,21 @@ def test_sliding_window_and_softcap(window, softcap):
         if window is not None or softcap is not None:  # the features change the result
             plain = _dense_attention(q[s], k[s], v[s], dim**-0.5, None, None)
             assert not torch.allclose(expected, plain, atol=1e-3)
+
+
+@pytest.mark.parametrize("kwarg,value,feature", [
+    ("s_aux", torch.zeros(4), "attention sinks"), ("is_causal", False, "non-causal"),
+    ("position_bias", torch.zeros(1), "relative position bias"),
+])
+def test_unsupported_attention_argument_is_an_error(kwarg, value, feature):
+    """What the loader's check would miss fails loudly rather than computing a wrong answer."""
+    from types import SimpleNamespace
+
+    from minicore.model.attention import paged_attention_forward
+
+    cache = [torch.zeros(kv_cache_shape(2, 4, 2, 8))]
+    meta = AttentionMetadata.build([[1]], [0], [3], cache)
+    q, kv = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
+    with pytest.raises(ValueError, match=feature):
+        paged_attention_forward(SimpleNamespace(layer_idx=0), q, kv, kv, None, 0.3,
+                                minicore_meta=meta, **{kwarg: value})
