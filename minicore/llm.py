@@ -1,26 +1,97 @@
 """LLM: offline batched generation on an in-process EngineCore.
 
-Mirrors vllm/entrypoints/llm.py (LLM.generate, LLM.chat). Requests are built by the same
-InputProcessor and read back by the same OutputProcessor as the server's (minicore/engine/).
-Left out: beam search, pooling, LoRA, multimodal prompts, n > 1, logprobs, and data parallelism
-(one engine in this process; DP runs through `python -m minicore serve --data-parallel-size N` or
-AsyncLLM).
+Mirrors vllm/entrypoints/llm.py (LLM.generate, LLM.chat, get_default_sampling_params) and the
+prompt parsing of vllm/renderers/inputs/preprocess.py (prompt_to_seq, parse_dec_only_prompt).
+Requests are built by the same InputProcessor and read back by the same OutputProcessor as the
+server's (minicore/engine/); chat formats conversations with the server's chat_utils.
+SamplingParams.n fans a prompt out into n engine requests (the j-th seeded with seed + j) whose
+outputs come back as one RequestOutput with n CompletionOutputs, as vLLM's ParentRequest does.
+Left out: beam search, pooling, LoRA, multimodal and embeds prompts, tools in chat, and data
+parallelism (one engine in this process; DP runs through `python -m minicore serve
+--data-parallel-size N` or AsyncLLM).
 """
 
+import dataclasses
 import itertools
 import time
+from collections.abc import Callable, Sequence
 
+import msgspec
 from tqdm.auto import tqdm
 
+from minicore.arg_utils import resolve_chat_template
 from minicore.config import create_engine_config
 from minicore.engine.core import EngineCore
-from minicore.engine.input_processor import InputProcessor, Prompt
+from minicore.engine.input_processor import InputProcessor
+from minicore.engine.launch import log_engine_config, resolve_max_model_len, resolve_model
 from minicore.engine.output_processor import OutputProcessor
+from minicore.entrypoints.chat_utils import apply_hf_chat_template, parse_chat_messages
 from minicore.outputs import RequestOutput
-from minicore.arg_utils import resolve_chat_template
 from minicore.protocol import EngineCoreRequest
 from minicore.request import Request
-from minicore.sampling_params import SamplingParams
+from minicore.sampling_params import SamplingParams, parallel_sample_params
+
+# The keys of vLLM's TextPrompt / TokensPrompt dicts that minicore implements.
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def prompt_to_seq(prompts) -> list:
+    """One prompt or a sequence of them, as a list of prompts (vLLM's prompt_to_seq: a string, a
+    dict or a list of ints is one prompt)."""
+    if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and all(type(t) is int for t in prompts)):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a string, a list of token ids, a dict with 'prompt' "
+                         f"or 'prompt_token_ids', or a list of these; got {type(prompts).__name__}")
+    return list(prompts)
+
+
+def parse_prompt(prompt, index: int) -> tuple[str | list[int], str | None]:
+    """(what the InputProcessor takes: text or token ids, the prompt's text if any) for one of
+    vLLM's decoder-only prompt forms: str, list[int], {"prompt": str},
+    {"prompt_token_ids": list[int]}."""
+    where = f"prompt {index}"
+    if isinstance(prompt, str):
+        return prompt, prompt
+    if isinstance(prompt, list):
+        if not prompt or not all(type(t) is int for t in prompt):
+            raise ValueError(f"{where}: a token prompt must be a non-empty list of integers")
+        return prompt, None
+    if isinstance(prompt, dict):
+        unknown = sorted(map(str, set(prompt) - set(_PROMPT_KEYS)))
+        if unknown:
+            raise ValueError(f"{where}: unsupported prompt key(s) {', '.join(unknown)}; minicore "
+                             f"takes {{'prompt': str}} or {{'prompt_token_ids': [int, ...]}}")
+        if "prompt_token_ids" in prompt:
+            # vLLM's TokensPrompt may carry the text too; the ids are what runs.
+            return parse_prompt(prompt["prompt_token_ids"], index)[0], prompt.get("prompt")
+        if "prompt" in prompt:
+            if not isinstance(prompt["prompt"], str):
+                raise ValueError(f"{where}: 'prompt' must be a string, got "
+                                 f"{type(prompt['prompt']).__name__}")
+            return prompt["prompt"], prompt["prompt"]
+        raise ValueError(f"{where}: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+    raise ValueError(f"{where}: expected a string, a list of token ids or a dict, got "
+                     f"{type(prompt).__name__}")
+
+
+def _per_prompt(value, num_prompts: int, what: str) -> list:
+    """A value given once for every prompt, or as a list of one per prompt (vLLM's rule for
+    sampling_params and priority)."""
+    if not isinstance(value, (list, tuple)):
+        return [value] * num_prompts
+    if len(value) != num_prompts:
+        raise ValueError(f"got {len(value)} {what} for {num_prompts} prompts")
+    return list(value)
+
+
+@dataclasses.dataclass(slots=True)
+class _Parent:
+    """One prompt's n engine requests, by sample index."""
+    request_id: str
+    children: list[EngineCoreRequest]
+    text: str | None
 
 
 class LLM:
@@ -35,59 +106,98 @@ class LLM:
         loaded = model is not None and not isinstance(model, str)
         if loaded and tokenizer is None:
             raise ValueError("a loaded model needs its tokenizer: LLM(model, tokenizer=...)")
-        self.config = create_engine_config(model=None if loaded else model, **engine_args)
-        if self.config.parallel_config.data_parallel_size > 1:
+        config = create_engine_config(model=None if loaded else model, **engine_args)
+        if config.parallel_config.data_parallel_size > 1:
             raise ValueError("LLM runs one in-process engine: data_parallel_size must be 1 (serve "
                              "with --data-parallel-size N, or use AsyncLLM, for DP)")
+        # max_model_len auto (-1) becomes the model's context length here, as in serve.
+        self.config = (resolve_max_model_len(config, model.config.to_dict(),
+                                             {"model_max_length": tokenizer.model_max_length})
+                       if loaded else resolve_model(config))
         self.llm_engine = EngineCore(self.config, model if loaded else None, tokenizer)
         runner = self.llm_engine.model_runner
+        log_engine_config(self.config, runner)
         self.tokenizer = runner.tokenizer
         self.input_processor = InputProcessor(self.config, self.tokenizer,
                                               runner.model.config.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
+        self.default_sampling_params: dict | None = None
 
     def get_tokenizer(self):
         return self.tokenizer
 
-    def generate(self, prompts: Prompt | list[Prompt],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for each prompt (a string or a list of token ids); results in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the model's generation_config.json sampling defaults with --generation-config
+        auto, SamplingParams() with vllm."""
+        if self.default_sampling_params is None:
+            self.default_sampling_params = self.config.model_config.get_diff_sampling_param()
+        return SamplingParams(**self.default_sampling_params)
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None
+                 = None, use_tqdm: bool | Callable[..., tqdm] = True,
+                 priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for each prompt, results in prompt order. A prompt is a string, a list of token
+        ids, {"prompt": str} or {"prompt_token_ids": [...]}; prompts: one, or a list of them
+        (mixed forms allowed). Text prompts are tokenized with the special tokens (BOS) the
+        tokenizer adds, as vLLM."""
+        parsed = [parse_prompt(p, i) for i, p in enumerate(prompt_to_seq(prompts))]
+        return self._generate(parsed, sampling_params, use_tqdm, priority, True)
+
+    def chat(self, messages: list[dict] | Sequence[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool | Callable[..., tqdm] = True,
+             priority: int | Sequence[int] | None = None, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to conversations ([{"role": ..., "content": ...}, ...]; content a
+        string or OpenAI text parts), formatted with chat_template (a template or its file), else
+        --chat-template's, else the tokenizer's. The template holds the special tokens, so the
+        text is tokenized without adding any (vLLM's rule)."""
+        conversations = (
+            [messages] if isinstance(messages, list) and messages
+            and all(isinstance(m, dict) for m in messages) else messages)
+        if not isinstance(conversations, (list, tuple)) or not conversations:
+            raise ValueError("messages must be a conversation (a non-empty list of message "
+                             "dicts) or a list of conversations")
+        template = resolve_chat_template(chat_template if chat_template is not None
+                                         else self.config.model_config.chat_template)
+        texts = [apply_hf_chat_template(
+            self.tokenizer, parse_chat_messages(c), chat_template=template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs) for c in conversations]
+        return self._generate([(t, t) for t in texts], sampling_params, use_tqdm, priority, False)
+
+    def _generate(self, parsed: list[tuple[str | list[int], str | None]], sampling_params,
+                  use_tqdm, priority, add_special_tokens: bool) -> list[RequestOutput]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = (sampling_params if isinstance(sampling_params, list)
-                  else [sampling_params] * len(prompts))
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+            sampling_params = self.get_default_sampling_params()
+        params = _per_prompt(sampling_params, len(parsed), "sampling params")
+        priorities = _per_prompt(priority or 0, len(parsed), "priorities")
         # Build and check every request before adding any, so a bad one leaves nothing behind.
-        requests = [self.input_processor.process_inputs(str(next(self._request_counter)), prompt, p)
-                    for prompt, p in zip(prompts, params)]
-        texts = [prompt if isinstance(prompt, str) else None for prompt in prompts]
-        return self._run(requests, texts, use_tqdm)
+        parents = []
+        for (prompt, text), p, prio in zip(parsed, params, priorities):
+            request_id = str(next(self._request_counter))
+            request = self.input_processor.process_inputs(
+                request_id, prompt, p, priority=prio, add_special_tokens=add_special_tokens)
+            children = [request] if p.n == 1 else [
+                msgspec.structs.replace(request, request_id=f"{request_id}_{j}",
+                                        sampling_params=parallel_sample_params(p, j))
+                for j in range(p.n)]
+            parents.append(_Parent(request_id, children, text))
+        return self._run(parents, use_tqdm)
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Generate replies to conversations ([{"role": ..., "content": ...}, ...]), formatted with
-        the chat template (chat_template's, else the tokenizer's)."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        template = resolve_chat_template(self.config.model_config.chat_template)
-        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, chat_template=template,
-                                                      add_generation_prompt=add_generation_prompt)
-                   for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
-
-    def _run(self, requests: list[EngineCoreRequest], texts: list[str | None],
-             use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, parents: list[_Parent], use_tqdm) -> list[RequestOutput]:
         engine, processor = self.llm_engine, self.output_processor
-        for request, text in zip(requests, texts):
-            processor.add_request(request, text)
-            engine.add_request(Request.from_engine_core_request(request))
-        bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm,
-                   dynamic_ncols=True)
+        requests = [child for parent in parents for child in parent.children]
+        for parent in parents:
+            for child in parent.children:
+                processor.add_request(child, parent.text)
+                engine.add_request(Request.from_engine_core_request(child))
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm
+        bar = make_bar(total=len(requests), desc="Processed prompts",
+                       disable=not use_tqdm, dynamic_ncols=True)
         finished: dict[str, RequestOutput] = {}
         start, num_in, num_out = time.perf_counter(), 0, 0
         try:
@@ -110,4 +220,16 @@ class LLM:
             unfinished = [r.request_id for r in requests if r.request_id not in finished]
             processor.abort_requests(unfinished)
             engine.abort_requests(unfinished)
-        return [finished[r.request_id] for r in requests]
+        return [_merge(parent, finished) for parent in parents]
+
+
+def _merge(parent: _Parent, finished: dict[str, RequestOutput]) -> RequestOutput:
+    """A prompt's RequestOutput: its n samples' completions, by index, under the prompt's id (the
+    first sample's prompt fields and metrics)."""
+    outputs = [finished[child.request_id] for child in parent.children]
+    completions = []
+    for index, output in enumerate(outputs):
+        completion = output.outputs[0]
+        completion.index = index
+        completions.append(completion)
+    return dataclasses.replace(outputs[0], request_id=parent.request_id, outputs=completions)

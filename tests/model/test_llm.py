@@ -1,6 +1,7 @@
 """The offline LLM API on the real model: sampling (seeds, top-k=1), chat, stop strings, errors that
 leave nothing behind, and the `python -m minicore generate` command."""
 
+import json
 import subprocess
 import sys
 
@@ -210,3 +211,146 @@ def test_tokenizer_directory_is_used_instead_of_the_models(tmp_path):
     own.save_pretrained(tmp_path)
     tokenizer, same_vocab = load_tokenizer(model_dir, tmp_path)
     assert "<minicore-test>" in tokenizer.get_vocab() and same_vocab == vocab_size
+
+
+# ---- vLLM's offline API: prompt forms, n, chat options, defaults (issue 15) ---------------------
+
+def test_every_prompt_form_of_vllm_gives_the_same_completion(llm):
+    """str, list[int], {"prompt": str}, {"prompt_token_ids": [...]}, alone or mixed in a list."""
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    text = PROMPTS[0]
+    ids = llm.get_tokenizer()(text).input_ids  # with the special tokens, as vLLM tokenizes
+    forms = [text, ids, {"prompt": text}, {"prompt_token_ids": ids}]
+    mixed = llm.generate(forms, greedy, use_tqdm=False)
+    assert [o.prompt for o in mixed] == [text, None, text, None]
+    assert all(o.prompt_token_ids == ids for o in mixed)
+    assert len({tuple(t) for t in _token_ids(mixed)}) == 1
+    for form in forms:  # a single prompt of each form
+        (alone,) = llm.generate(form, greedy, use_tqdm=False)
+        assert alone.outputs[0].token_ids == mixed[0].outputs[0].token_ids
+    _assert_idle(llm)
+
+
+@pytest.mark.parametrize("prompts, match", [
+    (123, "prompts must be a string, a list of token ids, a dict.*got int"),
+    ([None], "prompt 0: expected a string, a list of token ids or a dict, got NoneType"),
+    (["fine", {"text": "x"}], "prompt 1: unsupported prompt key.* text"),
+    ({"prompt": 5}, "prompt 0: 'prompt' must be a string, got int"),
+    ({"prompt_token_ids": [1, "a"]}, "prompt 0: a token prompt must be a non-empty list"),
+    ([{}], "prompt 0: a dict prompt needs 'prompt' or 'prompt_token_ids'"),
+    ({"prompt": "x", "multi_modal_data": {}}, "unsupported prompt key.*multi_modal_data"),
+])
+def test_a_prompt_of_no_vllm_form_is_refused_naming_it(llm, prompts, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
+    _assert_idle(llm)
+
+
+def test_n_samples_come_back_as_one_output_with_n_completions(llm):
+    """n=3 seeded: one RequestOutput per prompt, completions indexed 0..2, the j-th the sample a
+    request seeded with seed + j gives alone (vLLM's parallel sampling)."""
+    params = SamplingParams(n=3, max_tokens=10, temperature=1.0, seed=11, ignore_eos=True)
+    outputs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert len(outputs) == 2
+    for prompt, output in zip(PROMPTS[:2], outputs):
+        assert [c.index for c in output.outputs] == [0, 1, 2]
+        assert output.prompt == prompt
+        for j, completion in enumerate(output.outputs):
+            alone = SamplingParams(max_tokens=10, temperature=1.0, seed=11 + j, ignore_eos=True)
+            (single,) = llm.generate(prompt, alone, use_tqdm=False)
+            assert completion.token_ids == single.outputs[0].token_ids
+        assert len({tuple(c.token_ids) for c in output.outputs}) > 1
+    assert outputs[0].request_id != outputs[1].request_id
+    _assert_idle(llm)
+
+
+def test_logprobs_and_metrics_come_with_offline_outputs(llm):
+    (out,) = llm.generate(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0, logprobs=2),
+                          use_tqdm=False)
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == len(completion.token_ids) == 5
+    for token_id, top in zip(completion.token_ids, completion.logprobs):
+        assert next(iter(top)) == token_id and len(top) == 2  # greedy: the token is the top-1
+        assert top[token_id].rank == 1
+    assert completion.cumulative_logprob == pytest.approx(
+        sum(top[t].logprob for t, top in zip(completion.token_ids, completion.logprobs)))
+    (plain,) = llm.generate(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0),
+                            use_tqdm=False)
+    assert plain.outputs[0].logprobs is None
+    assert out.metrics is not None and out.metrics.num_generation_tokens == 5
+
+
+def test_chat_takes_content_parts_and_vllms_template_options(llm):
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    question = "What is the capital of France?"
+    parts = [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": "of France?"}]
+    (joined,) = llm.chat([{"role": "user", "content": parts}], greedy, use_tqdm=False)
+    assert "What is the capital\nof France?<|im_end|>" in joined.prompt  # vLLM joins with \n
+    (plain,) = llm.chat([{"role": "user", "content": question}], greedy, use_tqdm=False)
+    assert plain.prompt.endswith("<|im_start|>assistant\n")
+    # The template holds the special tokens: the text is tokenized without adding any.
+    assert plain.prompt_token_ids == llm.get_tokenizer().encode(plain.prompt,
+                                                                add_special_tokens=False)
+    start = "The capital of France is"
+    (cont,) = llm.chat([{"role": "user", "content": question},
+                        {"role": "assistant", "content": start}], greedy, use_tqdm=False,
+                       add_generation_prompt=False, continue_final_message=True)
+    assert cont.prompt.endswith(start) and "Paris" in cont.outputs[0].text
+    (inline,) = llm.chat([{"role": "user", "content": "hi"}], greedy, use_tqdm=False,
+                         chat_template="{{ greeting }} {{ messages[0].content }}:",
+                         chat_template_kwargs={"greeting": "Q"})
+    assert inline.prompt == "Q hi:"
+    with pytest.raises(ValueError, match="continue_final_message"):
+        llm.chat([{"role": "user", "content": "hi"}], greedy, use_tqdm=False,
+                 continue_final_message=True)
+    with pytest.raises(ValueError, match="messages"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+                 greedy, use_tqdm=False)
+    _assert_idle(llm)
+
+
+def test_text_prompts_get_the_tokenizers_special_tokens_chat_prompts_do_not(
+        hf_model_and_tokenizer):
+    """vLLM tokenizes a text prompt with add_special_tokens=True (a BOS-adding tokenizer puts its
+    BOS first) and a chat prompt without (the template has them). SmolLM2's tokenizer adds none,
+    so a copy is made to add one; max_model_len auto takes the model's context length."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    model, tokenizer = hf_model_and_tokenizer
+    bos_tokenizer = copy.deepcopy(tokenizer)
+    bos = bos_tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    bos_tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
+    llm = LLM(model, tokenizer=bos_tokenizer, max_model_len=-1, kv_cache_memory=1 << 29)
+    assert llm.config.scheduler_config.max_model_len == min(
+        model.config.max_position_embeddings, tokenizer.model_max_length)
+    one = SamplingParams(max_tokens=1)
+    (text,) = llm.generate("Hello", one, use_tqdm=False)
+    assert text.prompt_token_ids == [bos] + tokenizer.encode("Hello", add_special_tokens=False)
+    (chat,) = llm.chat([{"role": "user", "content": "Hello"}], one, use_tqdm=False)
+    assert chat.prompt_token_ids[0] != bos
+    assert chat.prompt_token_ids == tokenizer.encode(chat.prompt, add_special_tokens=False)
+
+
+def test_default_sampling_params_come_from_the_generation_config(tmp_path):
+    """vLLM's get_default_sampling_params: generate() and chat() without sampling params use the
+    model's generation_config.json defaults (--generation-config auto); vllm: SamplingParams()."""
+    from minicore.model.loader import resolve_model_dir
+
+    model_dir = resolve_model_dir(None)
+    for file in model_dir.iterdir():  # the default model, its generation config edited
+        if file.name != "generation_config.json":
+            (tmp_path / file.name).symlink_to(file)
+    config = json.loads((model_dir / "generation_config.json").read_text())
+    config.update(temperature=0.0, max_new_tokens=3, top_k=5)
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    llm = LLM(str(tmp_path), max_model_len=128, kv_cache_memory=1 << 24)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.max_tokens, defaults.top_k) == (0.0, 3, 5)
+    (out,) = llm.generate(PROMPTS[0], use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 3
+    neutral = LLM(str(tmp_path), max_model_len=128, kv_cache_memory=1 << 24,
+                  generation_config="vllm")
+    assert neutral.get_default_sampling_params() == SamplingParams()
