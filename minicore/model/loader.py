@@ -63,7 +63,9 @@ def load_model(
     """
     device = resolve_device(device)
     dtype = _resolve_dtype(dtype, device)
-    hf_model, own_tokenizer = _from_pretrained(resolve_model_dir(model, cache_dir), dtype)
+    model_dir = resolve_model_dir(model, cache_dir)
+    _check_config_before_loading(model_dir)
+    hf_model, own_tokenizer = _from_pretrained(model_dir, dtype)
     check_attention_supported(hf_model)
     if tokenizer is not None:
         own_tokenizer = load_tokenizer(Path(tokenizer), vocab_size=False)
@@ -74,22 +76,40 @@ def check_attention_supported(model: PreTrainedModel) -> None:
     """Raise ModelLoadError naming the feature and the model if minicore's paged attention cannot
     run ``model`` exactly. The tests are on config fields and on the model class, which hold for
     every transformers family that has the feature, not on a list of model names."""
-    config = model.config
-    # A multimodal model keeps its language model's attention fields in the text config.
-    feature = _unsupported_attention(config) or _unsupported_attention(config.get_text_config())
+    feature = _unsupported_attention(model.config)
     if feature is None and not type(model)._supports_attention_backend:
         feature = ("its own attention code, outside transformers' AttentionInterface where "
                    "minicore's paged attention plugs in (e.g. the ALiBi models Bloom, MPT, Falcon)")
     if feature is None and any(name.endswith(".sinks") for name, _ in model.named_parameters()):
         feature = "attention sinks"
+    _refuse(model.config, type(model).__name__, feature)
+
+
+def _check_config_before_loading(model_dir: Path) -> None:
+    """The config-field refusals of check_attention_supported before any weight is read, so a
+    refused model (a DeepSeek-V3) is not loaded first."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError, KeyError):
+        return  # _from_pretrained reports a broken model directory in its own words
+    architecture = (getattr(config, "architectures", None) or ["?"])[0]
+    _refuse(config, architecture, _unsupported_attention(config))
+
+
+def _refuse(config, architecture: str, feature: str | None) -> None:
     if feature is not None:
-        raise ModelLoadError(f"model {getattr(config, 'model_type', '?')!r} "
-                             f"({type(model).__name__}) uses {feature}: minicore's paged "
-                             "attention cannot run it")
+        raise ModelLoadError(f"model {getattr(config, 'model_type', '?')!r} ({architecture}) "
+                             f"uses {feature}: minicore's paged attention cannot run it")
 
 
 def _unsupported_attention(config) -> str | None:
-    """The first attention feature of ``config`` that minicore does not implement, or None."""
+    """The first attention feature of ``config`` (or of its text config: a multimodal model keeps
+    its language model's fields there) that minicore does not implement, or None."""
+    text_config = config.get_text_config()
+    if text_config is not config and (feature := _unsupported_attention(text_config)):
+        return feature
     extra_layers = set(getattr(config, "layer_types", None) or ()) - _STATELESS_LAYER_TYPES
     checks = (
         ("multi-head latent attention (kv_lora_rank / q_lora_rank)",

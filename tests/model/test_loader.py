@@ -119,3 +119,14 @@ def test_gguf_conversion_is_announced(tmp_path, monkeypatch, caplog):
     announced = [r.getMessage() for r in caplog.records if "Converting" in r.getMessage()]
     assert len(announced) == 1, "only the first load converts"
     assert str(gguf) in announced[0] and str(target) in announced[0]
+
+
+def test_refused_before_weights_are_read(tmp_path):
+    """A DeepSeek-V3 directory with its config only: refused by name, not 'weights missing'."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("deepseek_v3", architectures=["DeepseekV3ForCausalLM"]).save_pretrained(
+        tmp_path)
+    with pytest.raises(ModelLoadError,
+                       match=r"'deepseek_v3' \(DeepseekV3ForCausalLM\) uses multi-head latent"):
+        load_model(tmp_path, device="cpu")
