@@ -1,7 +1,8 @@
 """The command line's engine flags, made from the config dataclasses by add_engine_cli_args: one
 flag per user-facing field with the dataclass's default, vLLM's flag names, and a bad value refused
 by argparse (exit code 2) or by the config (ValueError); a model that --enable-expert-parallel
-cannot serve is refused from its config.json. Parsing only: no engine starts."""
+cannot serve is refused from its config.json; --max-model-len auto resolved from a model's files;
+vLLM's log format. Parsing only: no engine starts."""
 
 import argparse
 from collections import Counter
@@ -260,3 +261,86 @@ def test_hub_id_is_refused_fast_by_a_real_serve_process():
     assert done.returncode == 1
     assert done.stderr.startswith("error: minicore loads local models only; no downloads")
     assert time.monotonic() - start < 10
+
+
+# ---- --max-model-len auto (vLLM's -1): the model's context length ---------------------------
+
+@pytest.mark.parametrize("value", ["auto", "AUTO", "-1"])
+def test_max_model_len_auto_parses_to_vllms_minus_one(value):
+    assert engine_config(["serve", "--max-model-len", value]).scheduler_config.max_model_len == -1
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_max_model_len_below_one_other_than_auto_is_refused(value):
+    with pytest.raises(ValueError, match="max_model_len must be >= 1"):
+        engine_config(["serve", "--max-model-len", value])
+
+
+@pytest.mark.parametrize("hf_config, tokenizer_config, expected", [
+    ({"max_position_embeddings": 8192}, {}, 8192),
+    # The smallest of the keys vLLM reads wins.
+    ({"max_position_embeddings": 8192, "n_positions": 4096}, {}, 4096),
+    ({"n_positions": 1024}, {}, 1024),  # GPT-2
+    ({"seq_length": 32768}, {}, 32768),  # ChatGLM
+    # The tokenizer's model_max_length caps it (a huge sentinel does not).
+    ({"max_position_embeddings": 8192}, {"model_max_length": 2048}, 2048),
+    ({"max_position_embeddings": 8192}, {"model_max_length": 1e30}, 8192),
+    # A multimodal model's text config.
+    ({"text_config": {"max_position_embeddings": 4096}}, {}, 4096),
+    # Linear / dynamic RoPE scaling multiply; llama3 and YaRN have it scaled already.
+    ({"max_position_embeddings": 4096, "rope_scaling": {"type": "linear", "factor": 2.0}}, {},
+     8192),
+    ({"max_position_embeddings": 131072,
+      "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, {}, 131072),
+    ({"max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+      "rope_scaling": {"rope_type": "longrope", "factor": 32.0}}, {}, 4096),
+    ({}, {}, 2048),  # no length key: vLLM's default
+])
+def test_derived_max_model_len_follows_vllms_rule(hf_config, tokenizer_config, expected):
+    from minicore.arg_utils import derived_max_model_len
+
+    assert derived_max_model_len(hf_config, tokenizer_config) == expected
+
+
+def test_serve_resolves_max_model_len_auto_from_the_models_files(tmp_path):
+    """Before any engine starts (resolve_model, which the frontend and headless ranks run): auto
+    becomes the length in config.json and tokenizer_config.json; a number stays as given."""
+    import json
+
+    from minicore.engine.launch import resolve_model
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 3000}))
+    serve = ["serve", "--model", str(tmp_path), "--max-model-len"]
+    auto = resolve_model(engine_config([*serve, "auto"]))
+    assert auto.scheduler_config.max_model_len == 3000
+    given = resolve_model(engine_config([*serve, "1k"]))
+    assert given.scheduler_config.max_model_len == 1000
+
+
+# ---- one log format (vLLM's) -----------------------------------------------------------------
+
+def test_log_lines_are_vllms_with_the_process_named_on_every_line():
+    import logging
+    import re
+
+    from minicore.logger import NewLineFormatter
+
+    formatter = NewLineFormatter("EngineCore_DP1")
+    record = logging.LogRecord("minicore.x", logging.WARNING, "/a/b/core.py", 42,
+                               "first\nsecond", None, None)
+    first, second = formatter.format(record).split("\r\n")
+    prefix = r"\(EngineCore_DP1 pid=\d+\) WARNING \d\d-\d\d \d\d:\d\d:\d\d \[core\.py:42\] "
+    assert re.fullmatch(prefix + "first", first), first
+    assert re.fullmatch(prefix + "second", second), second
+
+
+def test_uvicorns_loggers_go_through_the_root_handler():
+    import logging.config
+
+    from minicore.logger import uvicorn_log_config
+
+    logging.config.dictConfig(uvicorn_log_config("info"))
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logger = logging.getLogger(name)
+        assert logger.handlers == [] and logger.propagate and logger.level == logging.INFO

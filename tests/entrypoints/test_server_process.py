@@ -9,19 +9,22 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
+import tempfile
 import time
 
 import httpx
 import psutil
-from server_helpers import ServerProcess
+from server_helpers import ServerProcess, free_port
 
 SIMULATED = ["--runner", "simulated", "--simulated-cost", '{"step_s": 0.02}',
              "--max-model-len", "1024", "--kv-cache-memory", str(64 << 20)]
 LONG = {"prompt": "Tell me everything.", "max_tokens": 900, "ignore_eos": True}
 FAIL_FAST_S = 5.0
 # vLLM's log line: (process pid=N) LEVEL MM-DD HH:MM:SS [file.py:line] message
-VLLM_LOG_LINE = re.compile(r"\((APIServer|EngineCore_DP\d+) pid=\d+\) (DEBUG|INFO|WARNING|ERROR) "
-                           r"\d\d-\d\d \d\d:\d\d:\d\d \[[\w.]+\.py:\d+\] ")
+VLLM_LOG_LINE = re.compile(r"\((APIServer|EngineCore_DP\d+|Proxy) pid=\d+\) "
+                           r"(DEBUG|INFO|WARNING|ERROR) \d\d-\d\d \d\d:\d\d:\d\d \[[\w.]+\.py:\d+\] ")
 SIGTERM_EXIT_S = 5.0
 
 
@@ -116,3 +119,35 @@ async def test_ctrl_c_on_the_process_group_exits_quietly_and_leaves_no_process()
     assert any("Initializing a minicore engine with config: " in line
                and "max_seq_len=1024" in line for line in lines), log
     assert any("Uvicorn running on" in line and line.startswith("(APIServer") for line in lines)
+
+
+def test_ctrl_c_ends_the_proxy_quietly_in_the_same_log_format():
+    port = free_port()
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "minicore", "proxy", "--port", str(port),
+             "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:1"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 30
+            while httpx_health(f"http://127.0.0.1:{port}/health") != 200:
+                assert proc.poll() is None and time.monotonic() < deadline, "no proxy"
+                time.sleep(0.1)
+            os.killpg(proc.pid, signal.SIGINT)
+            assert proc.wait(SIGTERM_EXIT_S) == 0
+        finally:
+            proc.kill()
+            proc.wait()
+        log.seek(0)
+        text = log.read()
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert lines and all(VLLM_LOG_LINE.match(line) for line in lines), text
+    assert any("Shutting down" in line for line in lines), text
+
+
+def httpx_health(url: str) -> int | None:
+    try:
+        return httpx.get(url, timeout=1).status_code
+    except httpx.HTTPError:
+        return None
