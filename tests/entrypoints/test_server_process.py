@@ -24,7 +24,8 @@ LONG = {"prompt": "Tell me everything.", "max_tokens": 900, "ignore_eos": True}
 FAIL_FAST_S = 5.0
 # vLLM's log line: (process pid=N) LEVEL MM-DD HH:MM:SS [file.py:line] message
 VLLM_LOG_LINE = re.compile(r"\((APIServer|EngineCore_DP\d+|Proxy) pid=\d+\) "
-                           r"(DEBUG|INFO|WARNING|ERROR) \d\d-\d\d \d\d:\d\d:\d\d \[[\w.]+\.py:\d+\] ")
+                           r"(DEBUG|INFO|WARNING|ERROR) \d\d-\d\d \d\d:\d\d:\d\d "
+                           r"\[[\w.]+\.py:\d+\] ")
 SIGTERM_EXIT_S = 5.0
 
 

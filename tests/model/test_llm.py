@@ -283,7 +283,8 @@ def test_logprobs_and_metrics_come_with_offline_outputs(llm):
 def test_chat_takes_content_parts_and_vllms_template_options(llm):
     greedy = SamplingParams(max_tokens=8, temperature=0)
     question = "What is the capital of France?"
-    parts = [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": "of France?"}]
+    parts = [{"type": "text", "text": "What is the capital"},
+             {"type": "text", "text": "of France?"}]
     (joined,) = llm.chat([{"role": "user", "content": parts}], greedy, use_tqdm=False)
     assert "What is the capital\nof France?<|im_end|>" in joined.prompt  # vLLM joins with \n
     (plain,) = llm.chat([{"role": "user", "content": question}], greedy, use_tqdm=False)
