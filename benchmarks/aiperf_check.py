@@ -12,11 +12,13 @@ differ from minicore's test environment). With --install the script makes one wh
     ~/.cache/minicore/aiperf-venv/bin/pip install aiperf==0.13.0
 
     python benchmarks/aiperf_check.py [--install] [--aiperf PATH] [--request-count 16]
+        [--serve-args '--data-parallel-size 2']
 """
 
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -133,13 +135,15 @@ def main() -> None:
     parser.add_argument("--request-count", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=900, help="aiperf's limit (s)")
+    parser.add_argument("--serve-args", default="", help="more serve flags, e.g. "
+                        "'--metrics-prefix minicore' (then the views must come out empty)")
     args = parser.parse_args()
     aiperf = aiperf_path(args)
     artifacts = Path(tempfile.mkdtemp(prefix="aiperf-check-"))
     procs = Processes()
     try:
         url = procs.start("serve", "--served-model-name", args.model, "--max-model-len", "1024",
-                          "--enable-prompt-tokens-details")
+                          "--enable-prompt-tokens-details", *shlex.split(args.serve_args))
         procs.wait_healthy(url)
         started = time.monotonic()
         run_aiperf(aiperf, url, artifacts, args)
