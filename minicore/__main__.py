@@ -11,6 +11,7 @@ import sys
 from minicore.config import add_engine_cli_args, create_engine_config, engine_kwargs_from_cli
 from minicore.dp.sim_report import add_simulate_args, simulate_main
 from minicore.logger import configure_logging
+from minicore.logger import configure_logging
 
 # generate's LLM runs one in-process engine, which refuses data parallelism, on the transformers
 # runner only (it takes the tokenizer and vocab from the loaded model); generate's own --seed seeds
@@ -117,7 +118,6 @@ def _generate(args: argparse.Namespace) -> None:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    configure_logging("MainProcess")
     llm = LLM(**engine_kwargs_from_cli(args, GENERATE_EXCLUDE))
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)

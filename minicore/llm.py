@@ -26,6 +26,7 @@ from minicore.engine.input_processor import InputProcessor
 from minicore.engine.launch import log_engine_config, resolve_max_model_len, resolve_model
 from minicore.engine.output_processor import OutputProcessor
 from minicore.entrypoints.chat_utils import apply_hf_chat_template, parse_chat_messages
+from minicore.logger import configure_logging
 from minicore.outputs import RequestOutput
 from minicore.protocol import EngineCoreRequest
 from minicore.request import Request
@@ -103,6 +104,7 @@ class LLM:
     def __init__(self, model=None, tokenizer=None, **engine_args):
         if isinstance(tokenizer, str):  # vLLM's LLM(tokenizer=PATH): a directory, not an object
             engine_args["tokenizer"], tokenizer = tokenizer, None
+        configure_logging("MainProcess")  # as vLLM's import does; an app's own setup is kept
         loaded = model is not None and not isinstance(model, str)
         if loaded and tokenizer is None:
             raise ValueError("a loaded model needs its tokenizer: LLM(model, tokenizer=...)")
