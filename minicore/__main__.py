@@ -11,7 +11,6 @@ import sys
 from minicore.config import add_engine_cli_args, create_engine_config, engine_kwargs_from_cli
 from minicore.dp.sim_report import add_simulate_args, simulate_main
 from minicore.logger import configure_logging
-from minicore.logger import configure_logging
 
 # generate's LLM runs one in-process engine, which refuses data parallelism, on the transformers
 # runner only (it takes the tokenizer and vocab from the loaded model); generate's own --seed seeds
