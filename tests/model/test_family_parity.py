@@ -2,10 +2,11 @@
 (float32, 2 layers, hidden 64, vocabulary 256) is saved as a directory with the default model's
 tokenizer and served by minicore's LLM, whose greedy tokens must equal transformers' eager
 generate(do_sample=False) token for token, with chunked prefill (a 16-token budget) and prefix-cache
-hits asserted to have happened. Gemma2 / Gemma3 / Mistral get a sliding window of 8, far shorter
-than the sequences, Gemma2 its attention and final logit soft-caps, Cohere and Granite their logit
-scales (which greedy tokens cannot see, so compute_logits is also checked against transformers'
-logits). A DeepSeek-V3 model (multi-head latent attention) is refused at load, naming the feature."""
+hits asserted to have happened. Gemma2 / Gemma3 / Mistral / Qwen2-MoE get a sliding window of 8,
+far shorter than the sequences, Gemma2 its attention and final logit soft-caps, Cohere and Granite
+their logit scales (which greedy tokens cannot see, so compute_logits is also checked against
+transformers' logits). A DeepSeek-V3 model (multi-head latent attention) is refused at load,
+naming the feature."""
 
 import pytest
 import torch
@@ -43,6 +44,10 @@ FAMILIES = {
                         layer_types=["sliding_attention", "full_attention"]),
     "qwen3_moe": dict(num_experts=4, head_dim=16, **_MOE),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    # Its sliding layers carry the window on the attention module only (not as an argument).
+    "qwen2_moe": dict(num_experts=4, shared_expert_intermediate_size=32, use_sliding_window=True,
+                      sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+                      **_MOE),
     "gpt_neox": dict(num_key_value_heads=4),  # no GQA: the cache layout reads this field
     "phi": {},
 }
