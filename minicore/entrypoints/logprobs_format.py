@@ -64,12 +64,13 @@ class LogprobsFormatter:
         self.tokenizer = tokenizer
         self.as_token_ids = return_tokens_as_token_ids
 
-    def token(self, token_id: int, logprob: Logprob | None = None) -> str:
-        if self.as_token_ids:
-            return f"token_id:{token_id}"
+    def text(self, token_id: int, logprob: Logprob | None = None) -> str:
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
         return self.tokenizer.decode(token_id)
+
+    def token(self, token_id: int, logprob: Logprob | None = None) -> str:
+        return f"token_id:{token_id}" if self.as_token_ids else self.text(token_id, logprob)
 
     def completion(self, token_ids: list[int], logprobs: list[dict[int, Logprob] | None],
                    num_top: int, initial_text_offset: int = 0) -> CompletionLogProbs:
@@ -106,8 +107,9 @@ class LogprobsFormatter:
             top = [ChatCompletionLogProb(t := self.token(tid, lp), _clamp(lp.logprob), _utf8(t))
                    for i, (tid, lp) in enumerate(step.items())
                    if top_logprobs == -1 or (top_logprobs is not None and i < top_logprobs)]
+            # As vLLM: the token's bytes are its text's, also when spelled as its id.
             content.append(ChatCompletionLogProbsContent(
-                token, _clamp(own.logprob), _utf8(token), top))
+                token, _clamp(own.logprob), _utf8(self.text(token_id, own)), top))
         return ChatCompletionLogProbs(content)
 
 
