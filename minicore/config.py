@@ -17,7 +17,6 @@ run time get no flag:
 
 import argparse
 import json
-import os
 from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
 from types import NoneType, UnionType
 from typing import Any, Literal, get_args, get_origin
@@ -206,16 +205,11 @@ class ModelConfig:
 
     def try_get_generation_config(self) -> dict:
         """--generation-config's generation_config.json (the model's for auto and vllm: its
-        eos_token_id matters in every mode, as in vLLM), {} if there is none."""
+        eos_token_id matters in every mode, as in vLLM), {} if there is none. The model is read
+        once resolved to its directory (a GGUF's conversion), as the server and LLM do first."""
         if self.generation_config not in ("auto", "vllm"):
             return read_generation_config(self.generation_config)
-        folder = self.model
-        if folder is None or not os.path.isdir(folder):
-            # The default model or a GGUF: its cached safetensors conversion (made at load).
-            from minicore.model.loader import resolve_model_dir
-
-            folder = resolve_model_dir(self.model)
-        return read_generation_config(folder)
+        return {} if self.model is None else read_generation_config(self.model)
 
     def get_diff_sampling_param(self) -> dict:
         """The generation config's defaults for unset sampling fields ({} with vllm)."""

@@ -9,7 +9,8 @@ be integers in the vocabulary, the prompt must hold 1 to max_model_len - 1 token
 output token, as in vLLM), a priority needs the priority policy and a DP rank must exist; text must
 be valid Unicode and integers must fit in 64 bits (SamplingParams checks its own fields). bad_words
 become bad_words_token_ids; logit_bias, allowed_token_ids, stop ids and bad words must be in the
-vocabulary, and logprobs within --max-logprobs. Everything is checked before anything is sent, so
+vocabulary, and logprobs within --max-logprobs; the generation config's extra EOS ids join
+stop_token_ids. Everything is checked before anything is sent, so
 a refused request leaves nothing behind. The engine checks the prompt's token ids and the sampling
 token ids again (validate_prompt_token_ids, validate_sampling_params: it trusts no frontend).
 Left out: multimodal inputs, LoRA, structured output, tokenization caches, logprob_token_ids.
@@ -42,6 +43,10 @@ class InputProcessor:
         self.num_engines = config.parallel_config.data_parallel_size
         self.max_logprobs = config.model_config.max_logprobs
         self.has_logits = config.model_config.runner != "simulated"
+        # vLLM's update_from_generation_config: the generation config's other EOS ids stop too.
+        eos_ids = config.model_config.try_get_generation_config().get("eos_token_id")
+        eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or ())
+        self.extra_eos_token_ids = [t for t in eos_ids if t != tokenizer.eos_token_id]
 
     def process_inputs(self, request_id: str, prompt: Prompt, params: SamplingParams, *,
                        arrival_time: float | None = None, priority: int = 0,
@@ -72,6 +77,9 @@ class InputProcessor:
         if params.bad_words:
             params = dataclasses.replace(params, bad_words_token_ids=self._bad_words_token_ids(
                 params.bad_words))
+        if self.extra_eos_token_ids and not params.ignore_eos:
+            params = dataclasses.replace(params, stop_token_ids=list(dict.fromkeys(
+                [*params.stop_token_ids, *self.extra_eos_token_ids])))
         validate_sampling_params(params, self.vocab_size, self.max_logprobs, self.has_logits)
         return EngineCoreRequest(
             request_id, token_ids, params, self.tokenizer.eos_token_id,

@@ -232,7 +232,8 @@ class OpenAIServingBase:
                       else Prompt(self.tokenizer.decode(ids), ids, given_as_text=False))
             for j in range(request.n):
                 # Each choice is an engine request of its own: n is the server's business.
-                p = dataclasses.replace(parallel_sample_params(params, j), n=1)
+                p = dataclasses.replace(
+                    parallel_sample_params(engine_request.sampling_params, j), n=1)
                 request_id = f"{response_id}-{len(choices)}"
                 choice_request = msgspec.structs.replace(engine_request, request_id=request_id,
                                                          sampling_params=p)

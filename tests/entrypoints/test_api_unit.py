@@ -24,7 +24,7 @@ from minicore.entrypoints.openai_protocol import (
 )
 from minicore.entrypoints.serving import OpenAIServing
 from minicore.model.loader import load_tokenizer, resolve_model_dir
-from minicore.outputs import CompletionOutput, RequestOutput
+from minicore.outputs import CompletionOutput, Logprob, RequestOutput
 from minicore.protocol import SchedulerStats
 from minicore.sampling_params import SamplingParams
 
@@ -131,15 +131,16 @@ class ScriptedClient:
     """AsyncLLM's interface (as the server uses it) with no engine: each request yields one token per output
     (" w<i>"), then finishes with "length"; a stream closed early, or abort(), aborts it."""
 
-    def __init__(self, tokenizer, vocab_size):
+    def __init__(self, tokenizer, vocab_size, **engine_args):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
-        self.config = create_engine_config(max_model_len=64)
+        self.config = create_engine_config(max_model_len=64, **engine_args)
         self.input_processor = InputProcessor(self.config, tokenizer, vocab_size)
         self.model_name = MODEL
         self.errored, self.is_healthy = False, True
         self.latest_stats = {0: SchedulerStats()}
         self.script = _Script()
         self.started: list[str] = []
+        self.params: list[SamplingParams] = []
         self.aborted: list[str] = []
         self._abort_events: dict[str, asyncio.Event] = {}
 
@@ -147,6 +148,7 @@ class ScriptedClient:
         request_id, params = request.request_id, request.sampling_params
         prompt, prompt_token_ids = prompt_text, request.prompt_token_ids
         self.started.append(request_id)
+        self.params.append(params)
         aborted = self._abort_events[request_id] = asyncio.Event()
         text, ids, finished = "", [], False
         try:
@@ -160,13 +162,25 @@ class ScriptedClient:
                     return
                 text, ids = text + f" w{i}", ids + [100 + i]
                 finished = i + 1 == (params.max_tokens or 10**9) or i + 1 == self.script.num_tokens
-                yield self._output(request_id, prompt, prompt_token_ids, text, ids,
-                                   "length" if finished else None)
+                output = self._output(request_id, prompt, prompt_token_ids, text, ids,
+                                      "length" if finished else None)
+                self._add_logprobs(output, params)
+                yield output
                 if finished:
                     return
         finally:
             if not finished:
                 self.aborted.append(request_id)
+
+    @staticmethod
+    def _add_logprobs(output, params):
+        """Made-up logprobs: token 100 + i gets -i, rank 1; prompt tokens -1 each."""
+        if params.logprobs is not None:
+            output.outputs[0].logprobs = [{t: Logprob(-float(t - 100), 1, f" w{t - 100}")}
+                                          for t in output.outputs[0].token_ids]
+        if params.prompt_logprobs is not None:
+            output.prompt_logprobs = [None] + [{t: Logprob(-1.0, 1)}
+                                               for t in output.prompt_token_ids[1:]]
 
     @staticmethod
     def _output(request_id, prompt, prompt_ids, text, ids, reason):
@@ -329,3 +343,46 @@ async def test_shutdown_aborts_requests_in_flight(client, serving):
     with pytest.raises(OpenAIError) as e:
         await serving.create_completion(CompletionRequest(prompt="Hi"))
     assert e.value.status == 503
+
+
+async def test_echo_and_logprobs_whole_and_streamed(client, serving):
+    body = {"prompt": "Hello world", "max_tokens": 2, "echo": True, "logprobs": 0}
+    prompt_ids = client.tokenizer.encode("Hello world")
+    async with _http(client, serving) as http:
+        whole = (await http.post("/v1/completions", json=body)).json()["choices"][0]
+        events = _events((await http.post("/v1/completions", json={**body, "stream": True})).text)
+        only = (await http.post("/v1/completions", json={**body, "max_tokens": 0})).json()
+    lp = whole["logprobs"]
+    assert whole["text"] == "Hello world w0 w1"
+    assert lp["tokens"] == [client.tokenizer.decode(t) for t in prompt_ids] + [" w0", " w1"]
+    assert lp["token_logprobs"] == [None] + [-1.0] * (len(prompt_ids) - 1) + [0.0, -1.0]
+    assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(len(lp["tokens"]))]
+    assert "".join(e["choices"][0]["text"] for e in events) == whole["text"]
+    assert events[0]["choices"][0]["text"].startswith("Hello world")
+    streamed = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"]]
+    assert sum((x["tokens"] for x in streamed), []) == lp["tokens"]
+    assert sum((x["text_offset"] for x in streamed), []) == lp["text_offset"]
+    assert only["choices"][0]["text"] == "Hello world"
+    assert len(only["choices"][0]["logprobs"]["tokens"]) == len(prompt_ids)
+    assert only["usage"]["completion_tokens"] == 1  # one token is run, as vLLM
+
+
+async def test_generation_config_fills_unset_fields(tokenizer_and_vocab, tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({
+        "temperature": 0.3, "top_k": 7, "repetition_penalty": 1.2, "max_new_tokens": 3,
+        "eos_token_id": [tokenizer_and_vocab[0].eos_token_id, 7]}))
+    client = ScriptedClient(*tokenizer_and_vocab, generation_config=str(tmp_path))
+    serving = OpenAIServing(client, [MODEL])
+    assert serving.default_sampling_params == {"temperature": 0.3, "top_k": 7,
+                                               "repetition_penalty": 1.2, "max_tokens": 3}
+    async with _http(client, serving) as http:
+        await http.post("/v1/chat/completions", json={"messages": [{"role": "user",
+                                                                    "content": "hi"}]})
+        await http.post("/v1/completions", json={"prompt": "hi", "temperature": 1.0})
+    chat, completion = client.params
+    assert (chat.temperature, chat.top_k, chat.repetition_penalty, chat.max_tokens) == (
+        0.3, 7, 1.2, 3)
+    assert chat.stop_token_ids == [7]  # the generation config's other EOS id stops too
+    assert (completion.temperature, completion.top_k, completion.max_tokens) == (1.0, 7, 16)
+    vllm_mode = ScriptedClient(*tokenizer_and_vocab, generation_config="vllm")
+    assert OpenAIServing(vllm_mode, [MODEL]).default_sampling_params == {}
