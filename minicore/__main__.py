@@ -37,6 +37,9 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prompt-tokens-details", action="store_true",
                         help="add usage.prompt_tokens_details.cached_tokens (the prompt tokens "
                              "found in the prefix cache) to responses, as vLLM's")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="take a chat_template given in a request (refused without it, as "
+                             "vLLM's)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--metrics-prefix", type=_metrics_prefix, default="vllm",
