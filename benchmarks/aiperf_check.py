@@ -1,9 +1,11 @@
 """aiperf against `python -m minicore serve`, as a vLLM user runs it: `aiperf profile` with
 --reset-kv-cache (POST /reset_prefix_cache before the run) and its server-metrics collection
 (on by default: it scrapes the server's /metrics). Checks that every request succeeded, that the
-reset endpoint was hit (the server's log), and that the server-metrics views aiperf builds from
-vLLM's metric names have data; prints a summary and exits 1 when a check fails. No vLLM
-counterpart: vLLM is measured with aiperf the same way.
+reset endpoint was hit (the server's log), that the server-metrics views aiperf builds from
+vLLM's metric names have data, and that the server's request and token counters, summed over
+engines, equal aiperf's own counts (so --serve-args '--data-parallel-size 2' checks DP sums);
+prints a summary and exits 1 when a check fails. No vLLM counterpart: vLLM is measured with
+aiperf the same way.
 
 aiperf lives in a venv of its own (about 140 packages, ~2 min to install; its pins, e.g. pandas<3,
 differ from minicore's test environment). With --install the script makes one when missing:
@@ -94,6 +96,21 @@ def check_views(export: dict) -> list[str]:
     return failures
 
 
+def check_totals(export: dict, summary: dict) -> list[str]:
+    """The server's counters summed over every series (engines, finish reasons) equal what aiperf
+    counted on the client: nothing counted twice under data parallelism, nothing missed."""
+    failures = []
+    pairs = [("vllm:request_success", summary["request_count"]["avg"]),
+             ("vllm:prompt_tokens", summary["total_usage_prompt_tokens"]["avg"]),
+             ("vllm:generation_tokens", summary["total_usage_completion_tokens"]["avg"])]
+    for name, client in pairs:
+        server = sum(series["stats"]["total"] for series in export["metrics"][name]["series"])
+        print(f"  {name}: {server:.0f} on the server, {client:.0f} seen by aiperf")
+        if server != client:
+            failures.append(f"{name} sums to {server}, aiperf counted {client}")
+    return failures
+
+
 def run_aiperf(aiperf: Path, url: str, artifacts: Path, args) -> None:
     command = [
         str(aiperf), "profile", "--model", args.model, "--tokenizer", str(resolve_model_dir()),
@@ -124,7 +141,7 @@ def check_results(artifacts: Path, server_log: str, request_count: int) -> list[
     if not resets:
         failures.append("aiperf's --reset-kv-cache never reached POST /reset_prefix_cache")
     export = json.loads((artifacts / "server_metrics_export.json").read_text())
-    return failures + check_views(export)
+    return failures + check_views(export) + check_totals(export, summary)
 
 
 def main() -> None:
