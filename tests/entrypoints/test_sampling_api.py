@@ -261,7 +261,7 @@ def test_allowed_token_ids_bad_words_and_include_stop_str(client, tokenizer):
         assert out.choices[0].text.endswith(stop) == include
 
 
-def test_continue_final_message_and_add_special_tokens(http, tokenizer):
+def test_continue_final_message_add_special_tokens_and_truncation(http, tokenizer):
     partial = QUESTION + [{"role": "assistant", "content": "The capital"}]
     body = {"messages": partial, "add_generation_prompt": False, "continue_final_message": True}
     tokens = http.post("/tokenize", json=body).json()["tokens"]
@@ -270,6 +270,11 @@ def test_continue_final_message_and_add_special_tokens(http, tokenizer):
                                                 "add_generation_prompt": True})
     assert check_openai_error(r, 400)["param"] == "continue_final_message"
     assert http.post("/tokenize", json={"prompt": "hi"}).json()["tokens"] == tokenizer.encode("hi")
+    for endpoint, body in (("/v1/completions", {"prompt": COUNTING}),
+                           ("/v1/chat/completions", {"messages": QUESTION})):
+        r = http.post(endpoint, json={**body, "model": MODEL, "max_tokens": 1,
+                                      "truncate_prompt_tokens": 3})
+        assert r.json()["usage"]["prompt_tokens"] == 3  # the prompt's last 3 tokens
 
 
 REFUSED = [
