@@ -100,6 +100,8 @@ def test_lm_eval_local_completions_log_likelihoods_match_transformers(
             "tokenizer_backend": "huggingface", "tokenizer": str(resolve_model_dir()),
             "tokenized_requests": True, "batch_size": 4, "max_retries": 1,
         }
+        # include_defaults=False: indexing lm-eval's built-in tasks alone costs ~20 s; no
+        # bootstrap: the standard error is not checked.
         results = lm_eval.simple_evaluate(
             model="local-completions", model_args=model_args, tasks=[TASK],
             task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
