@@ -277,6 +277,25 @@ def test_continue_final_message_add_special_tokens_and_truncation(http, tokenize
         assert r.json()["usage"]["prompt_tokens"] == 3  # the prompt's last 3 tokens
 
 
+def test_chat_echo_heads_the_answer_with_the_last_assistant_message(client):
+    partial = QUESTION + [{"role": "assistant", "content": "The capital"}]
+    kwargs = dict(model=MODEL, messages=partial, max_tokens=3, temperature=0, extra_body={
+        "echo": True, "add_generation_prompt": False, "continue_final_message": True})
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in
+                       client.chat.completions.create(**kwargs, stream=True) if c.choices)
+    assert whole.startswith("The capital") and len(whole) > len("The capital")
+    assert streamed == whole
+
+
+def test_min_p_one_keeps_only_the_most_likely_token(client):
+    greedy = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+    for seed in (1, 2):
+        out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0,
+                                        seed=seed, extra_body={"min_p": 1.0})
+        assert out.choices[0].text == greedy.choices[0].text
+
+
 REFUSED = [
     ("/v1/completions", {"suffix": "x"}, "suffix"),
     ("/v1/completions", {"best_of": 2}, "best_of"),
