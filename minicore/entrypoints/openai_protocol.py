@@ -19,7 +19,7 @@ import uuid
 from typing import Any
 
 import msgspec
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from minicore.entrypoints.logprobs_format import (
     ChatCompletionLogProbs,
@@ -185,6 +185,12 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = 16
     logprobs: int | None = None
     add_special_tokens: bool = True
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _null_max_tokens(cls, value):
+        """An explicit null is the default, 16 (vLLM's normalize_null_max_tokens)."""
+        return 16 if value is None else value
 
     @property
     def echo_without_generation(self) -> bool:

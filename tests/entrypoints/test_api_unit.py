@@ -41,6 +41,7 @@ def test_defaults_become_sampling_params():
     req = CompletionRequest.model_validate({"prompt": "x", "temperature": None, "top_p": None,
                                             "top_k": None, "stop": "END"})
     assert req.to_sampling_params(4) == SamplingParams(max_tokens=4, stop=["END"])
+    assert CompletionRequest.model_validate({"prompt": "x", "max_tokens": None}).max_tokens == 16
 
 
 def test_chat_max_completion_tokens_wins_over_max_tokens():
