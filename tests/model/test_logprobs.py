@@ -105,7 +105,7 @@ def test_logit_bias_allowed_ids_and_bad_words_steer_greedy_decoding(llm, hf_mode
     assert "Paris" in plain.text
     target = tokenizer.encode(" banana", add_special_tokens=False)[0]
     allowed = [tokenizer.encode(w, add_special_tokens=False)[0] for w in (" red", " blue")]
-    outputs = llm.generate(PROMPTS[0], [
+    outputs = llm.generate([PROMPTS[0]] * 3, [
         SamplingParams(**greedy, logit_bias={target: 100}),
         SamplingParams(**greedy, allowed_token_ids=allowed),
         SamplingParams(**greedy, bad_words=["Paris"])], use_tqdm=False)
