@@ -140,6 +140,10 @@ class SamplingRequest(OpenAIBaseModel):
         generation config's); a 400 naming the parameter if it is invalid."""
         if not 1 <= self.n <= MAX_N:
             raise OpenAIError(f"n must be in [1, {MAX_N}], got {self.n}", 400, "n")
+        if self.stream_options is not None and self.stream_options.model_fields_set and (
+                not self.stream):
+            raise OpenAIError("Stream options can only be defined when `stream=True`.", 400,
+                              "stream_options")
         if self.prompt_logprobs is not None and self.stream:
             raise OpenAIError("`prompt_logprobs` are not available when `stream=True`.", 400,
                               "prompt_logprobs")

@@ -314,6 +314,7 @@ REFUSED = [
     ("/v1/completions", {"min_p": 1.5}, "min_p"),
     ("/v1/completions", {"allowed_token_ids": [10**7]}, "allowed_token_ids"),
     ("/v1/chat/completions", {"chat_template": "{{ messages }}"}, "chat_template"),
+    ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
 ]
