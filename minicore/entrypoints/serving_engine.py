@@ -228,8 +228,9 @@ class OpenAIServingBase:
         choices = []
         for prompt, engine_request in zip(prompts, engine_requests):
             ids = engine_request.prompt_token_ids
-            shared = (Prompt(prompt, ids) if isinstance(prompt, str)
-                      else Prompt(self.tokenizer.decode(ids), ids, given_as_text=False))
+            # Token ids are decoded only for echo, the one use of their text.
+            shared = (Prompt(prompt, ids) if isinstance(prompt, str) else Prompt(
+                self.tokenizer.decode(ids) if request.echo else "", ids, given_as_text=False))
             for j in range(request.n):
                 # Each choice is an engine request of its own: n is the server's business.
                 p = dataclasses.replace(

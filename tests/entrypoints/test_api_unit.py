@@ -353,6 +353,8 @@ async def test_echo_and_logprobs_whole_and_streamed(client, serving):
         whole = (await http.post("/v1/completions", json=body)).json()["choices"][0]
         events = _events((await http.post("/v1/completions", json={**body, "stream": True})).text)
         only = (await http.post("/v1/completions", json={**body, "max_tokens": 0})).json()
+        by_ids = (await http.post("/v1/completions", json={**body, "prompt": prompt_ids})).json()
+    assert by_ids["choices"][0]["text"] == "Hello world w0 w1"  # token ids echo as their text
     lp = whole["logprobs"]
     assert whole["text"] == "Hello world w0 w1"
     assert lp["tokens"] == [client.tokenizer.decode(t) for t in prompt_ids] + [" w0", " w1"]
