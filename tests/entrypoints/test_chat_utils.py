@@ -11,8 +11,14 @@ from minicore.config import create_engine_config
 from minicore.engine.input_processor import InvalidRequestError
 from minicore.entrypoints.chat_utils import apply_hf_chat_template, parse_chat_messages
 from minicore.entrypoints.logprobs_format import LogprobsFormatter, prompt_logprobs_json
-from minicore.entrypoints.openai_protocol import ChatCompletionRequest, OpenAIError
+from minicore.entrypoints.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    TokenizeRequest,
+)
 from minicore.entrypoints.serving import OpenAIServing
+from minicore.entrypoints.serving_tokenization import tokenize
 from minicore.model.loader import load_tokenizer, resolve_model_dir
 from minicore.outputs import Logprob
 
@@ -55,6 +61,30 @@ def test_a_request_chat_template_needs_the_trust_flag(tokenizer):
     assert (e.value.status, e.value.param) == (400, "chat_template")
     trusted = OpenAIServing(client, ["m"], trust_request_chat_template=True)
     assert trusted.render_chat(request)[1] == "hi!"
+
+
+class BosTokenizer:
+    """A tokenizer that adds a BOS (id 1) with special tokens, as Llama's does."""
+    chat_template = "{% for m in messages %}<s>{{ m.content }}{% endfor %}"
+    eos_token_id = 2
+
+    def encode(self, text, add_special_tokens=True):
+        return [1] * add_special_tokens + [ord(c) for c in text]
+
+    def apply_chat_template(self, conversation, chat_template, tokenize, **kwargs):
+        return "".join(m["content"] for m in conversation)
+
+
+def test_add_special_tokens_defaults_as_vllm():
+    client = SimpleNamespace(tokenizer=BosTokenizer(), vocab_size=300,
+                             config=create_engine_config())
+    serving = OpenAIServing(client, ["m"])
+    messages = [{"role": "user", "content": "a"}]
+    assert tokenize(serving, TokenizeRequest(prompt="a")).tokens == [1, 97]  # BOS, as vLLM
+    assert tokenize(serving, TokenizeRequest(prompt="a", add_special_tokens=False)).tokens == [97]
+    assert tokenize(serving, TokenizeRequest(messages=messages)).tokens == [97]
+    assert CompletionRequest(prompt="a").add_special_tokens
+    assert not ChatCompletionRequest(messages=messages).add_special_tokens
 
 
 def test_continue_final_message_leaves_the_last_message_open(tokenizer):
