@@ -241,6 +241,17 @@ def test_min_tokens_never_ends_early_nor_emits_eos_before(client, tokenizer):
     assert tokenizer.eos_token_id not in ids[:min_tokens]
 
 
+def test_skip_special_tokens_false_shows_them(client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Say hi."}],
+                  temperature=0, max_tokens=40)
+    natural = client.chat.completions.create(**kwargs)
+    assert natural.choices[0].finish_reason == "stop"  # its EOS is <|im_end|>, a special token
+    texts = [client.chat.completions.create(**kwargs, extra_body={
+        "ignore_eos": True, "skip_special_tokens": skip}).choices[0].message.content
+        for skip in (True, False)]
+    assert "<|im_end|>" not in texts[0] and "<|im_end|>" in texts[1]
+
+
 def test_allowed_token_ids_bad_words_and_include_stop_str(client, tokenizer):
     allowed = [tokenizer.encode(" yes")[0], tokenizer.encode(" no")[0]]
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
