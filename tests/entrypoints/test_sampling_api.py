@@ -174,6 +174,11 @@ def test_continuous_usage_stats_put_usage_on_every_chunk(client):
     assert with_choices and all(c.usage is not None for c in with_choices)
     counts = [c.usage.completion_tokens for c in with_choices]
     assert counts == sorted(counts) and counts[-1] == 4 == chunks[-1].usage.completion_tokens
+    chat = list(client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=3, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert all(c.usage is not None for c in chat)
+    assert chat[0].usage.completion_tokens == 0 and chat[-1].usage.completion_tokens == 3
 
 
 @torch.no_grad()
@@ -326,6 +331,7 @@ REFUSED = [
     ("/v1/completions", {"allowed_token_ids": [10**7]}, "allowed_token_ids"),
     ("/v1/chat/completions", {"chat_template": "{{ messages }}"}, "chat_template"),
     ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/completions", {"n": 2, "temperature": 0}, "n"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
 ]
