@@ -40,6 +40,9 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="take a chat_template given in a request (refused without it, as "
                              "vLLM's)")
+    parser.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help="logprob tokens spelled token_id:N by default (a request's "
+                             "return_tokens_as_token_ids wins), as vLLM's")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--metrics-prefix", type=_metrics_prefix, default="vllm",

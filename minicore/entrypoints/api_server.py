@@ -283,7 +283,8 @@ async def run_server(config: EngineConfig, args) -> None:
         client.output_processor.on_request_finished = metrics.on_request_finished
         client.output_processor.on_iteration_end = metrics.on_iteration_end
         serving = OpenAIServing(client, model_names, args.enable_prompt_tokens_details,
-                                args.trust_request_chat_template)
+                                args.trust_request_chat_template,
+                                args.return_tokens_as_token_ids)
         app = build_app(client, serving, metrics, args.api_key, not args.disable_log_stats,
                         args.enable_server_load_tracking)
         server = ApiServer(uvicorn.Config(

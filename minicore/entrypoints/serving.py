@@ -41,7 +41,9 @@ from minicore.entrypoints.serving_engine import Choice, OpenAIServingBase
 
 class OpenAIServing(OpenAIServingBase):
     def _formatter(self, request) -> LogprobsFormatter:
-        return LogprobsFormatter(self.tokenizer, bool(request.return_tokens_as_token_ids))
+        as_ids = request.return_tokens_as_token_ids
+        return LogprobsFormatter(self.tokenizer, self.return_tokens_as_token_ids
+                                 if as_ids is None else as_ids)
 
     @staticmethod
     def _new_tokens(choice: Choice) -> tuple[list[int], list | None]:

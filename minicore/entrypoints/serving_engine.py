@@ -82,11 +82,14 @@ class Choice:
 class OpenAIServingBase:
     def __init__(self, client: AsyncLLM, model_names: list[str],
                  enable_prompt_tokens_details: bool = False,
-                 trust_request_chat_template: bool = False):
+                 trust_request_chat_template: bool = False,
+                 return_tokens_as_token_ids: bool = False):
         self.client = client
         self.model_names = model_names
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.trust_request_chat_template = trust_request_chat_template
+        # The default of the request field of that name (vLLM's --return-tokens-as-token-ids).
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self.tokenizer = client.tokenizer
         model_config = client.config.model_config
         self.chat_template = resolve_chat_template(model_config.chat_template)

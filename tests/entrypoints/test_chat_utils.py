@@ -87,6 +87,15 @@ def test_add_special_tokens_defaults_as_vllm():
     assert not ChatCompletionRequest(messages=messages).add_special_tokens
 
 
+def test_return_tokens_as_token_ids_server_default_and_request_override(tokenizer):
+    client = SimpleNamespace(tokenizer=tokenizer, vocab_size=10, config=create_engine_config())
+    serving = OpenAIServing(client, ["m"], return_tokens_as_token_ids=True)
+    request = CompletionRequest(prompt="x")
+    assert serving._formatter(request).as_token_ids
+    request.return_tokens_as_token_ids = False
+    assert not serving._formatter(request).as_token_ids
+
+
 def test_continue_final_message_leaves_the_last_message_open(tokenizer):
     partial = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
     text = apply_hf_chat_template(tokenizer, parse_chat_messages(partial), chat_template=None,
