@@ -17,6 +17,7 @@ Left out: Ray, elastic scaling, several API servers.
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import multiprocessing
 import os
 import signal
@@ -110,9 +111,14 @@ def run_engine_core(config: EngineConfig, handshake_address: str, engine_index: 
     except SystemExit:
         logger.info("EngineCore exiting.")
         raise
-    except Exception:
+    except Exception as e:
         fatal = True
-        if engine_core is None:
+        if engine_core is None and isinstance(e, ValueError):
+            # A configuration the engine cannot run (KV cache too small, unsupported model): the
+            # message says it all; the traceback only at debug level.
+            logger.error("EngineCore failed to start: %s", e,
+                         exc_info=logger.isEnabledFor(logging.DEBUG))
+        elif engine_core is None:
             logger.exception("EngineCore failed to start.")
         # A fatal error after startup was logged, and ENGINE_CORE_DEAD sent, by run().
         sys.exit(1)

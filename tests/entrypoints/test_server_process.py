@@ -152,3 +152,16 @@ def httpx_health(url: str) -> int | None:
         return httpx.get(url, timeout=1).status_code
     except httpx.HTTPError:
         return None
+
+
+def test_an_engine_config_error_at_start_is_one_line_not_a_traceback():
+    """A KV cache too small for max_model_len (here auto: the model's 8192) is refused by the
+    engine as it starts: one error line naming both numbers, exit status 1."""
+    small = ["--runner", "simulated", "--max-model-len", "auto", "--kv-cache-memory", "1M"]
+    done = subprocess.run([sys.executable, "-m", "minicore", "serve", "--port", str(free_port()),
+                           *small], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert re.search(r"EngineCore failed to start: the KV cache has room for \d+ blocks, but one "
+                     r"request of max_model_len \(8192\)", done.stderr), done.stderr
+    assert "max_model_len auto: 8192" in done.stderr
