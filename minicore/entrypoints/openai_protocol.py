@@ -51,6 +51,10 @@ UNSUPPORTED_PARAMS: dict[str, tuple] = {
     "guided_grammar": (None,),
     "logprob_token_ids": (None, []),
     "prompt_embeds": (None,),
+    # truncate_prompt_tokens keeps the last tokens ("left"); vLLM can keep the first ones.
+    "truncation_side": (None, "left"),
+    "repetition_detection": (None,),
+    "thinking_token_budget": (None,),
 }
 
 # OpenAI's defaults for the sampling fields a generation config may set (vLLM's

@@ -82,6 +82,7 @@ def test_invalid_sampling_values_are_400_naming_the_parameter(fields, param):
     ({"guided_choice": ["a"]}, "guided_choice"),
     ({"guided_grammar": "root ::= x"}, "guided_grammar"),
     ({"use_beam_search": True}, "use_beam_search"),
+    ({"truncation_side": "right", "truncate_prompt_tokens": 2}, "truncation_side"),
 ])
 def test_unsupported_parameters_are_refused_unless_unused(fields, param):
     for request_type, body in ((CompletionRequest, {"prompt": "x"}),
