@@ -12,7 +12,8 @@ left unset takes the generation config's default (get_diff_sampling_param), then
 Logprob records live in logprobs_format.py. Refused with a 400 naming the field (never silently
 ignored): structured outputs (response_format json, structured_outputs, guided_*), tools and a
 tool_choice that needs them, suffix, best_of other than n, beam search, logprob_token_ids,
-prompt_embeds. Left out: multimodal content.
+prompt_embeds, truncation_side right, repetition_detection, thinking_token_budget. Left out:
+multimodal content.
 """
 
 import uuid
