@@ -70,3 +70,19 @@ def test_special_tokens_kept_when_not_skipped():
     d = IncrementalDetokenizer(tok, tok.encode("x"), skip_special_tokens=False)
     d.update(tok.encode("ok") + [256])
     assert d.output_text == "ok<s>"
+
+
+def test_spaces_between_special_tokens_reaches_a_slow_tokenizer_only():
+    class SlowTokenizer(ByteTokenizer):
+        calls = []
+
+        def decode(self, ids, **kwargs):
+            self.calls.append(kwargs)
+            return super().decode(ids, skip_special_tokens=kwargs["skip_special_tokens"])
+
+    slow = SlowTokenizer()
+    IncrementalDetokenizer(slow, [1], spaces_between_special_tokens=False).update([65])
+    assert all(call.get("spaces_between_special_tokens") is False for call in slow.calls)
+    SlowTokenizer.calls = []
+    IncrementalDetokenizer(slow, [1]).update([65])
+    assert all("spaces_between_special_tokens" not in call for call in SlowTokenizer.calls)
