@@ -71,7 +71,10 @@ def _reference(model, tokenizer, pairs: list[tuple[str, str]]) -> list[tuple[flo
     width = max(len(whole) for whole, _ in encoded)
     ids = torch.tensor([whole + [0] * (width - len(whole)) for whole, _ in encoded])
     mask = torch.tensor([[1] * len(whole) + [0] * (width - len(whole)) for whole, _ in encoded])
-    with torch.no_grad():
+    from minicore.model.attention import attn_implementation
+
+    # The session's model may have been switched to minicore's paged attention by an LLM test.
+    with torch.no_grad(), attn_implementation(model, "sdpa"):
         logprobs = torch.log_softmax(model(ids, attention_mask=mask).logits.float(), dim=-1)
     results = []
     for (whole, n_context), row in zip(encoded, logprobs):

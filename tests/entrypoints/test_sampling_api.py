@@ -41,7 +41,13 @@ def http(server):
 
 @pytest.fixture(scope="module")
 def model(hf_model_and_tokenizer):
-    return hf_model_and_tokenizer[0]
+    """The session's model with transformers' own attention (an LLM test may have switched it to
+    minicore's paged attention, which a plain forward cannot run)."""
+    from minicore.model.attention import attn_implementation
+
+    model = hf_model_and_tokenizer[0]
+    with attn_implementation(model, "sdpa"):
+        yield model
 
 
 @pytest.fixture(scope="module")

@@ -67,26 +67,30 @@ async def test_engine_death_fails_requests_fast_and_health_turns_503():
             assert server.proc.poll() is None  # the server stays up to say so
 
 
+async def _signal_mid_stream(server: ServerProcess, send_signal) -> None:
+    """send_signal(server) while a stream runs: the server exits 0 within SIGTERM_EXIT_S (uvicorn
+    raises the signal again after its graceful shutdown), the request in flight ends with
+    finish_reason "abort" (aborted, not cut off), and no process is left behind."""
+    children = server.children()
+    assert any("spawn_main" in " ".join(p.cmdline()) for p in children)
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http, asyncio.timeout(60):
+        started = asyncio.Event()
+        stream = asyncio.create_task(_first_event_then_rest(http, started))
+        await started.wait()
+
+        send_signal(server)
+        t0 = time.monotonic()
+        events = await stream
+        assert await asyncio.to_thread(server.proc.wait, SIGTERM_EXIT_S) == 0
+        assert time.monotonic() - t0 < SIGTERM_EXIT_S
+    assert events[-1]["choices"][0]["finish_reason"] == "abort"
+    _, alive = psutil.wait_procs(children, timeout=2)
+    assert not alive, f"left behind: {alive}"
+
+
 async def test_sigterm_exits_within_seconds_and_leaves_no_process():
     with ServerProcess(*SIMULATED) as server:
-        children = server.children()
-        assert any("spawn_main" in " ".join(p.cmdline()) for p in children)
-        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http, \
-                asyncio.timeout(60):
-            started = asyncio.Event()
-            stream = asyncio.create_task(_first_event_then_rest(http, started))
-            await started.wait()
-
-            server.proc.send_signal(signal.SIGTERM)
-            t0 = time.monotonic()
-            events = await stream
-            # Exit status 0: uvicorn raises the signal again after its graceful shutdown.
-            assert await asyncio.to_thread(server.proc.wait, SIGTERM_EXIT_S) == 0
-            assert time.monotonic() - t0 < SIGTERM_EXIT_S
-        # The request in flight was aborted, not cut off: it ends with finish_reason "abort".
-        assert events[-1]["choices"][0]["finish_reason"] == "abort"
-        _, alive = psutil.wait_procs(children, timeout=2)
-        assert not alive, f"left behind: {alive}"
+        await _signal_mid_stream(server, lambda s: s.proc.send_signal(signal.SIGTERM))
 
 
 async def test_ctrl_c_on_the_process_group_exits_quietly_and_leaves_no_process():
@@ -94,21 +98,7 @@ async def test_ctrl_c_on_the_process_group_exits_quietly_and_leaves_no_process()
     exits 0 as fast as on SIGTERM, nothing logs a traceback or an error, and every line of the
     log (frontend, engine, uvicorn) is in vLLM's format, naming its process."""
     with ServerProcess(*SIMULATED) as server:
-        children = server.children()
-        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http, \
-                asyncio.timeout(60):
-            started = asyncio.Event()
-            stream = asyncio.create_task(_first_event_then_rest(http, started))
-            await started.wait()
-
-            os.killpg(server.proc.pid, signal.SIGINT)
-            t0 = time.monotonic()
-            events = await stream
-            assert await asyncio.to_thread(server.proc.wait, SIGTERM_EXIT_S) == 0
-            assert time.monotonic() - t0 < SIGTERM_EXIT_S
-        assert events[-1]["choices"][0]["finish_reason"] == "abort"
-        _, alive = psutil.wait_procs(children, timeout=2)
-        assert not alive, f"left behind: {alive}"
+        await _signal_mid_stream(server, lambda s: os.killpg(s.proc.pid, signal.SIGINT))
         log = server.log_path.read_text(errors="replace")
     assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
     assert " ERROR " not in log, log
