@@ -127,6 +127,9 @@ def main() -> None:
     llm = LLM(model, tokenizer=tokenizer, max_model_len=1024, max_num_seqs=256)
     load_s = time.perf_counter() - start
     runner = llm.llm_engine.model_runner
+    # transformers runs on its own copy: minicore's runner swaps the CPU linear layers it serves
+    # for packed ones (minicore/model/cpu_linear.py).
+    hf_model, _ = load_model(dtype=args.dtype, device=args.device)
     rate = measure_matmul_rate(cfg, dtype, device)
     rows = []
     for name in args.workloads:
@@ -139,9 +142,9 @@ def main() -> None:
             rows, runner.decode_kv = runner.decode_kv, None
             t_gather = run_minicore(llm, work)
             runner.decode_kv = rows
-        # Reference run with transformers' own attention, on the same weights.
-        with attn_implementation(model, "sdpa"):
-            t_hf = run_transformers(model, tokenizer, work, device)
+        # Reference run with transformers' own attention and linear layers, same weights.
+        with attn_implementation(hf_model, "sdpa"):
+            t_hf = run_transformers(hf_model, tokenizer, work, device)
         flops = matmul_flops(cfg, work)
         rows.append({"workload": name, "num_prompts": len(work), "output_tokens": num_out,
                      "minicore_s": t_mini, "transformers_s": t_hf, "gather_s": t_gather,

@@ -190,10 +190,14 @@ def paged_attention_forward(
         buffer = meta.row_kv.buffers[module.layer_idx]
         write_kv_cache(buffer, k, v, meta.row_kv.slots)
         fill_rows(buffer, kv_cache, meta.block_tables, meta.seq_lens_cpu, meta.row_kv.fills)
-    out = torch.empty_like(q)
+    kv = None
     if meta.decode_tokens.numel():
         kv = (_gather_kv(kv_cache, meta.decode_block_tables) if buffer is None
               else _row_view(buffer, meta.row_kv))
+    if not meta.prefill_seqs:  # decodes only (the steady state): token i is sequence i
+        return _decode_attention(q, kv, meta, scaling, window, softcap).unsqueeze(0), None
+    out = torch.empty_like(q)
+    if kv is not None:
         decoded = _decode_attention(q[meta.decode_tokens], kv, meta, scaling, window, softcap)
         out.index_copy_(0, meta.decode_tokens, decoded)
     for i in meta.prefill_seqs:

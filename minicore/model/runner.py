@@ -10,12 +10,14 @@ persistent input batches, speculative decoding, pipeline/tensor parallelism.
 """
 
 import logging
+import os
 
 import torch
 
 from minicore.config import EngineConfig
 from minicore.model.attention import (AttentionMetadata, compute_logits, kv_cache_shape,
                                       use_paged_attention)
+from minicore.model.cpu_linear import use_packed_linear
 from minicore.model.decode_kv import DecodeKVBuffers
 from minicore.model.sampler import (
     Penalties,
@@ -48,6 +50,8 @@ class ModelRunner(ModelRunnerBase):
         self.vocab_size = model.config.vocab_size
         self.block_size = config.cache_config.block_size
         use_paged_attention(model)
+        if self.device.type == "cpu" and os.environ.get("MINICORE_PACKED_LINEAR", "1") != "0":
+            use_packed_linear(model)
         # The base model gives hidden states; the head runs only on sampling positions.
         self.base_model = model.base_model
         self.lm_head = model.get_output_embeddings()
