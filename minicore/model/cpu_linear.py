@@ -8,7 +8,8 @@ MKL on every call; ``torch.ops.mkl._mkl_linear`` takes a weight packed once by
 measured 2-13% faster per layer shape of SmolLM2-135M on an AVX2 EPYC, most on the wide
 gate/up projections and the LM head, and most at small batches (served decode). The packed copy
 is kept next to the original weight (which other code, tied embeddings included, still reads), so
-the linear weights take twice their memory. Left out: bfloat16 / oneDNN packing (vLLM uses it on
+the linear weights take twice their memory. The runner applies it to CPU models;
+``MINICORE_PACKED_LINEAR=0`` turns it off (for A/B measurements). Left out: bfloat16 / oneDNN packing (vLLM uses it on
 CPUs with AMX or AVX512-BF16) and quantized weights.
 """
 
