@@ -9,9 +9,13 @@ requested output tokens are counted for either engine.
 
 Roofline: the workload's matmul FLOPs (every linear layer for every token fed, attention scores
 and values over each token's context, the LM head for each sampled token), over the fp32 (or
---dtype) matmul rate this script measures on the model's own layer shapes.
+--dtype) matmul rate this script measures on the model's own layer shapes. Load time is that of
+the weights plus the engine (KV cache allocation included). --gather also runs minicore with decode
+attention gathering each sequence's KV blocks every step (the path before per-request KV rows,
+minicore/model/decode_kv.py), side by side.
 
-    python benchmarks/bench_throughput.py [--workloads uniform varied] [--num-prompts 64] [--device cpu]
+    python benchmarks/bench_throughput.py [--workloads uniform varied] [--num-prompts 64] \
+        [--device cpu] [--gather]
 """
 
 import argparse
@@ -112,12 +116,20 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    ap.add_argument("--gather", action="store_true",
+                    help="also time minicore with the gather decode attention")
     ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "bench_throughput.json"))
     args = ap.parse_args()
 
+    start = time.perf_counter()
     model, tokenizer = load_model(dtype=args.dtype, device=args.device)
     device, dtype, cfg = model.device, model.dtype, model.config
     llm = LLM(model, tokenizer=tokenizer, max_model_len=1024, max_num_seqs=256)
+    load_s = time.perf_counter() - start
+    runner = llm.llm_engine.model_runner
+    # transformers runs on its own copy: minicore's runner swaps the CPU linear layers it serves
+    # for packed ones (minicore/model/cpu_linear.py).
+    hf_model, _ = load_model(dtype=args.dtype, device=args.device)
     rate = measure_matmul_rate(cfg, dtype, device)
     rows = []
     for name in args.workloads:
@@ -125,24 +137,32 @@ def main() -> None:
         num_out = sum(o for _, o in work)
         run_minicore(llm, work[:4])  # warm-up
         t_mini = run_minicore(llm, work)
-        # Reference run with transformers' own attention, on the same weights.
-        with attn_implementation(model, "sdpa"):
-            t_hf = run_transformers(model, tokenizer, work, device)
+        gather_tok_s = None
+        if args.gather:
+            # Other prompts of the same lengths: the first run's are in the prefix cache.
+            decode_kv, runner.decode_kv = runner.decode_kv, None
+            other = make_workload(name, args.num_prompts, cfg.vocab_size, seed=1)
+            gather_tok_s = sum(o for _, o in other) / run_minicore(llm, other)
+            runner.decode_kv = decode_kv
+        # Reference run with transformers' own attention and linear layers, same weights.
+        with attn_implementation(hf_model, "sdpa"):
+            t_hf = run_transformers(hf_model, tokenizer, work, device)
         flops = matmul_flops(cfg, work)
         rows.append({"workload": name, "num_prompts": len(work), "output_tokens": num_out,
-                     "minicore_s": t_mini, "transformers_s": t_hf,
+                     "minicore_s": t_mini, "transformers_s": t_hf, "gather_tok_s": gather_tok_s,
                      "minicore_tok_s": num_out / t_mini, "transformers_tok_s": num_out / t_hf,
                      "speedup": t_hf / t_mini, "roofline_fraction": flops / t_mini / rate})
     print(f"device {device}, {dtype}, torch threads {torch.get_num_threads()}, "
-          f"measured matmul rate {rate / 1e9:.1f} GFLOP/s")
+          f"measured matmul rate {rate / 1e9:.1f} GFLOP/s, load {load_s:.1f} s")
     print(f"{'workload':10} {'out tokens':>10} {'minicore tok/s':>15} {'transformers tok/s':>19} "
           f"{'ratio':>6} {'roofline':>9}")
     for r in rows:
         print(f"{r['workload']:10} {r['output_tokens']:>10} {r['minicore_tok_s']:>15.1f} "
-              f"{r['transformers_tok_s']:>19.1f} {r['speedup']:>6.2f} {r['roofline_fraction']:>8.0%}")
+              f"{r['transformers_tok_s']:>19.1f} {r['speedup']:>6.2f} {r['roofline_fraction']:>8.0%}"
+              + (f"  gather: {r['gather_tok_s']:.1f} tok/s" if r["gather_tok_s"] else ""))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"device": str(device), "dtype": str(dtype),
-                                           "threads": torch.get_num_threads(),
+                                           "threads": torch.get_num_threads(), "load_s": load_s,
                                            "matmul_flops_per_s": rate, "results": rows}, indent=2))
     print(f"wrote {args.json}")
 

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
 
+from minicore.model.decode_kv import RowKV, fill_rows
 from minicore.model.loader import check_attention_supported
 
 ATTN_IMPLEMENTATION = "minicore_paged"
@@ -66,6 +67,8 @@ class AttentionMetadata:
     decode_mask: torch.Tensor  # [Bd, 1, 1, blocks * block_size] bool, True below seq_len
     decode_seq_lens: torch.Tensor  # [Bd, 1, 1, 1] int64, their seq_lens (for sliding windows)
     prefill_seqs: list[int]  # the other sequences, attended one by one
+    # Per-request KV rows that decode attention reads instead of gathering (decode_kv.py).
+    row_kv: RowKV | None = None
 
     @classmethod
     def build(
@@ -74,6 +77,7 @@ class AttentionMetadata:
         num_computed_tokens: list[int],
         num_new_tokens: list[int],
         kv_caches: list[torch.Tensor],
+        row_kv: RowKV | None = None,
     ) -> AttentionMetadata:
         """Metadata for sequences whose first ``num_computed_tokens[i]`` tokens are already cached
         and whose next ``num_new_tokens[i]`` tokens are in this batch, in that order."""
@@ -103,6 +107,7 @@ class AttentionMetadata:
             decode_mask=decode_mask[:, None, None, :].to(device),
             decode_seq_lens=seq_lens[decodes].view(-1, 1, 1, 1).to(device),
             prefill_seqs=(new > 1).nonzero().flatten().tolist(),
+            row_kv=row_kv,
         )
 
 
@@ -180,10 +185,20 @@ def paged_attention_forward(
     kv_cache = meta.kv_caches[module.layer_idx]
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, head_dim]
     write_kv_cache(kv_cache, k, v, meta.slot_mapping)
-    out = torch.empty_like(q)
+    buffer = None
+    if meta.row_kv is not None:
+        buffer = meta.row_kv.buffers[module.layer_idx]
+        write_kv_cache(buffer, k, v, meta.row_kv.slots)
+        fill_rows(buffer, kv_cache, meta.block_tables, meta.seq_lens_cpu, meta.row_kv.fills)
+    kv = None
     if meta.decode_tokens.numel():
-        decoded = _decode_attention(q[meta.decode_tokens], kv_cache, meta, scaling, window,
-                                    softcap)
+        kv = (_gather_kv(kv_cache, meta.decode_block_tables) if buffer is None
+              else _row_view(buffer, meta.row_kv))
+    if not meta.prefill_seqs:  # decodes only (the steady state): token i is sequence i
+        return _decode_attention(q, kv, meta, scaling, window, softcap).unsqueeze(0), None
+    out = torch.empty_like(q)
+    if kv is not None:
+        decoded = _decode_attention(q[meta.decode_tokens], kv, meta, scaling, window, softcap)
         out.index_copy_(0, meta.decode_tokens, decoded)
     for i in meta.prefill_seqs:
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
@@ -220,9 +235,14 @@ def _gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
     return kv.transpose(2, 3)
 
 
+def _row_view(buffer: torch.Tensor, rows: RowKV) -> torch.Tensor:
+    """The rows in use, up to the longest decoding sequence, as _gather_kv lays them out."""
+    return buffer[:, :rows.num_rows, :rows.mask.shape[-1]].transpose(2, 3)
+
+
 def _decode_attention(
     q: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv: torch.Tensor,
     meta: AttentionMetadata,
     scaling: float,
     window: int | None,
@@ -230,18 +250,27 @@ def _decode_attention(
 ) -> torch.Tensor:
     """All single-query sequences in one call over their padded KV, masked by length (and by the
     window: the last ``window`` keys). GQA: the query heads sharing a KV head become that head's
-    query rows (no KV repeat)."""
+    query rows (no KV repeat). With per-request rows, the call covers every row in use (a view of
+    the buffer, no copy) and keeps the decoding rows' outputs."""
     num_seqs, num_heads, head_dim = q.shape
-    k, v = _gather_kv(kv_cache, meta.decode_block_tables)
+    k, v = kv
+    rows = meta.row_kv
     q = q.view(num_seqs, k.shape[1], num_heads // k.shape[1], head_dim)
-    mask = meta.decode_mask
+    if rows is None:
+        mask, seq_lens = meta.decode_mask, meta.decode_seq_lens
+    else:
+        mask, seq_lens = rows.mask, rows.seq_lens
+        if not rows.in_order:
+            q = q.new_zeros((rows.num_rows, *q.shape[1:])).index_copy_(0, rows.decode_rows, q)
     if window is not None:
         kv_pos = torch.arange(mask.shape[-1], device=mask.device)
-        mask = mask & (kv_pos >= meta.decode_seq_lens - window)
+        mask = mask & (kv_pos >= seq_lens - window)
     if softcap is None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
     else:
         out = _softcapped_attention(q, k, v, mask, scaling, softcap)
+    if rows is not None and not rows.in_order:
+        out = out[rows.decode_rows]
     return out.reshape(num_seqs, num_heads, head_dim)
 
 

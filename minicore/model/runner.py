@@ -10,12 +10,15 @@ persistent input batches, speculative decoding, pipeline/tensor parallelism.
 """
 
 import logging
+import os
 
 import torch
 
 from minicore.config import EngineConfig
 from minicore.model.attention import (AttentionMetadata, compute_logits, kv_cache_shape,
                                       use_paged_attention)
+from minicore.model.cpu_linear import use_packed_linear
+from minicore.model.decode_kv import DecodeKVBuffers
 from minicore.model.sampler import (
     Penalties,
     SamplingMetadata,
@@ -47,11 +50,17 @@ class ModelRunner(ModelRunnerBase):
         self.vocab_size = model.config.vocab_size
         self.block_size = config.cache_config.block_size
         use_paged_attention(model)
+        if self.device.type == "cpu" and os.environ.get("MINICORE_PACKED_LINEAR", "1") != "0":
+            use_packed_linear(model)
         # The base model gives hidden states; the head runs only on sampling positions.
         self.base_model = model.base_model
         self.lm_head = model.get_output_embeddings()
         self.num_blocks = self._determine_num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        # Decode attention reads per-request rows instead of gathering blocks (CPU only: see
+        # decode_kv.py); None runs the gather.
+        self.decode_kv = (DecodeKVBuffers(self.kv_caches, config.scheduler_config.max_model_len)
+                          if self.device.type == "cpu" else None)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens)", self.num_blocks,
                     self.block_size, (self.num_blocks - 1) * self.block_size)
 
@@ -123,7 +132,8 @@ class ModelRunner(ModelRunnerBase):
         # parallelism joins the peers' collectives in its place (minicore/dp/engine.py).
         if req_ids:
             meta = AttentionMetadata.build([s.block_ids for s in states], computed, num_new,
-                                           self.kv_caches)
+                                           self.kv_caches,
+                                           self._plan_rows(req_ids, computed, num_new))
             hidden = self._forward(input_ids, meta)
             if sampling_rows:
                 self._sample(hidden, meta.query_start_loc_cpu, states, sampling_rows, output)
@@ -131,6 +141,13 @@ class ModelRunner(ModelRunnerBase):
                 self._prompt_logprobs(hidden, meta.query_start_loc_cpu, states, computed,
                                       num_new, output)
         return output
+
+    def _plan_rows(self, req_ids: list[str], computed: list[int], num_new: list[int]):
+        if self.decode_kv is None:
+            return None
+        decodes = [i for i, n in enumerate(num_new) if n == 1]
+        seq_lens = [c + n for c, n in zip(computed, num_new)]
+        return self.decode_kv.plan(req_ids, computed, seq_lens, decodes, set(self.requests))
 
     def _sample(self, hidden: torch.Tensor, query_start_loc: list[int],
                 states: list[CachedRequestState], rows: list[int],

@@ -2,7 +2,8 @@
 
 Covers a packed multi-sequence prefill, decode steps, a chunked prefill mixed with decodes (in
 either order), and a prefix-cache hit on blocks that another sequence fills in the same forward.
-Block ids are handed out in shuffled order so that no test passes by contiguity.
+Block ids are handed out in shuffled order so that no test passes by contiguity. Each runs with
+decode attention gathering blocks and reading per-request rows (minicore/model/decode_kv.py).
 """
 
 import random
@@ -16,6 +17,7 @@ from minicore.model.attention import (
     kv_cache_shape,
     use_paged_attention,
 )
+from minicore.model.decode_kv import DecodeKVBuffers
 
 pytestmark = pytest.mark.model
 
@@ -28,7 +30,7 @@ ATOL = 2e-4
 class PagedModel:
     """Minimal stand-in for the runner: a block pool, per-sequence block tables, packed forwards."""
 
-    def __init__(self, model):
+    def __init__(self, model, rows: bool):
         self.model = model
         cfg = model.config
         shape = kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
@@ -36,6 +38,7 @@ class PagedModel:
         self.free = random.Random(0).sample(range(NUM_BLOCKS), NUM_BLOCKS)
         self.tables: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
+        self.rows = DecodeKVBuffers(self.kv_caches, 1024) if rows else None
 
     def allocate(self, seq: str, num_new_tokens: int) -> None:
         table = self.tables.setdefault(seq, [])
@@ -52,12 +55,12 @@ class PagedModel:
         """One packed forward; ``batch`` maps sequences to their new tokens. Returns their logits."""
         for seq, tokens in batch.items():
             self.allocate(seq, len(tokens))
-        meta = AttentionMetadata.build(
-            [self.tables[s] for s in batch],
-            [self.computed[s] for s in batch],
-            [len(t) for t in batch.values()],
-            self.kv_caches,
-        )
+        computed, num_new = [self.computed[s] for s in batch], [len(t) for t in batch.values()]
+        row_kv = None if self.rows is None else self.rows.plan(
+            list(batch), computed, [c + n for c, n in zip(computed, num_new)],
+            [i for i, n in enumerate(num_new) if n == 1], set(self.tables))
+        meta = AttentionMetadata.build([self.tables[s] for s in batch], computed, num_new,
+                                       self.kv_caches, row_kv)
         input_ids = torch.tensor([t for tokens in batch.values() for t in tokens])[None]
         with torch.inference_mode():
             logits = self.model(
@@ -84,12 +87,12 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def paged(hf_model_and_tokenizer):
+@pytest.fixture(scope="module", params=[False, True], ids=["gather", "rows"])
+def paged(hf_model_and_tokenizer, request):
     model, tokenizer = hf_model_and_tokenizer
     old = model.config._attn_implementation
     use_paged_attention(model)
-    yield PagedModel(model), [tokenizer(p).input_ids for p in PROMPTS]
+    yield PagedModel(model, request.param), [tokenizer(p).input_ids for p in PROMPTS]
     model.set_attn_implementation(old)
 
 
@@ -153,8 +156,9 @@ def _dense_attention(q, k, v, scaling, window, softcap):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
+@pytest.mark.parametrize("rows", [False, True], ids=["gather", "rows"])
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 0.5), (5, 0.5)])
-def test_sliding_window_and_softcap(window, softcap):
+def test_sliding_window_and_softcap(window, softcap, rows):
     """Two steps on a bare layer: "a" is chunk-prefilled (12 tokens, then 8 read against the
     cache), "b" prefilled whole and then decoded; every row must equal dense eager attention."""
     from types import SimpleNamespace
@@ -170,9 +174,14 @@ def test_sliding_window_and_softcap(window, softcap):
     tables = {"a": [3, 1, 5], "b": [2, 4]}
     cache = [torch.zeros(kv_cache_shape(8, block, kv_heads, dim))]
     module, out = SimpleNamespace(layer_idx=0), {"a": [], "b": []}
+    buffers = DecodeKVBuffers(cache, 64) if rows else None
     for step in ({"a": (0, 12), "b": (0, 13)}, {"b": (13, 14), "a": (12, 20)}):
-        meta = AttentionMetadata.build([tables[s] for s in step], [a for a, _ in step.values()],
-                                       [b - a for a, b in step.values()], cache)
+        spans = list(step.values())
+        row_kv = buffers and buffers.plan(list(step), [a for a, _ in spans], [b for _, b in spans],
+                                          [i for i, (a, b) in enumerate(spans) if b - a == 1],
+                                          set(lens))
+        meta = AttentionMetadata.build([tables[s] for s in step], [a for a, _ in spans],
+                                       [b - a for a, b in spans], cache, row_kv)
         pack = [torch.cat([x[s][a:b] for s, (a, b) in step.items()]) for x in (q, k, v)]
         query, key, value = (t.transpose(0, 1)[None] for t in pack)
         res, _ = paged_attention_forward(module, query, key, value, None, dim**-0.5,
