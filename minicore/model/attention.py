@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
 
-from minicore.model.decode_kv import RowKV, fill_rows
+from minicore.model.decode_kv import RowKV, fill_rows, pooled_decode_attention, write_rows
 from minicore.model.loader import check_attention_supported
 
 ATTN_IMPLEMENTATION = "minicore_paged"
@@ -185,21 +185,20 @@ def paged_attention_forward(
     kv_cache = meta.kv_caches[module.layer_idx]
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, head_dim]
     write_kv_cache(kv_cache, k, v, meta.slot_mapping)
-    buffer = None
+    pools = None
     if meta.row_kv is not None:
-        buffer = meta.row_kv.buffers[module.layer_idx]
-        write_kv_cache(buffer, k, v, meta.row_kv.slots)
-        fill_rows(buffer, kv_cache, meta.block_tables, meta.seq_lens_cpu, meta.row_kv.fills)
-    kv = None
-    if meta.decode_tokens.numel():
-        kv = (_gather_kv(kv_cache, meta.decode_block_tables) if buffer is None
-              else _row_view(buffer, meta.row_kv))
+        pools = [chunk[module.layer_idx] for chunk in meta.row_kv.pools]
+        write_rows(pools, k, v, meta.row_kv)
+        fill_rows(pools, kv_cache, meta.block_tables, meta.row_kv)
+
+    def decode(q_decode: torch.Tensor) -> torch.Tensor:
+        return _decode_attention(q_decode, kv_cache, pools, meta, scaling, window, softcap)
+
     if not meta.prefill_seqs:  # decodes only (the steady state): token i is sequence i
-        return _decode_attention(q, kv, meta, scaling, window, softcap).unsqueeze(0), None
+        return decode(q).unsqueeze(0), None
     out = torch.empty_like(q)
-    if kv is not None:
-        decoded = _decode_attention(q[meta.decode_tokens], kv, meta, scaling, window, softcap)
-        out.index_copy_(0, meta.decode_tokens, decoded)
+    if meta.decode_tokens.numel():
+        out.index_copy_(0, meta.decode_tokens, decode(q[meta.decode_tokens]))
     for i in meta.prefill_seqs:
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         k_seq, v_seq = _sequence_kv(k[start:end], v[start:end], kv_cache, meta, i)
@@ -235,33 +234,28 @@ def _gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
     return kv.transpose(2, 3)
 
 
-def _row_view(buffer: torch.Tensor, rows: RowKV) -> torch.Tensor:
-    """The rows in use, up to the longest decoding sequence, as _gather_kv lays them out."""
-    return buffer[:, :rows.num_rows, :rows.mask.shape[-1]].transpose(2, 3)
-
-
 def _decode_attention(
     q: torch.Tensor,
-    kv: torch.Tensor,
+    kv_cache: torch.Tensor,
+    pools: list[torch.Tensor] | None,
     meta: AttentionMetadata,
     scaling: float,
     window: int | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    """All single-query sequences in one call over their padded KV, masked by length (and by the
-    window: the last ``window`` keys). GQA: the query heads sharing a KV head become that head's
-    query rows (no KV repeat). With per-request rows, the call covers every row in use (a view of
-    the buffer, no copy) and keeps the decoding rows' outputs."""
+    """All single-query sequences at once, masked by length (and by the window: the last
+    ``window`` keys). GQA: the query heads sharing a KV head become that head's query rows (no KV
+    repeat). Reads the per-request rows' pools (decode_kv.py) where the step has them, else one
+    padded gather of every sequence's blocks."""
     num_seqs, num_heads, head_dim = q.shape
-    k, v = kv
-    rows = meta.row_kv
-    q = q.view(num_seqs, k.shape[1], num_heads // k.shape[1], head_dim)
-    if rows is None:
-        mask, seq_lens = meta.decode_mask, meta.decode_seq_lens
-    else:
-        mask, seq_lens = rows.mask, rows.seq_lens
-        if not rows.in_order:
-            q = q.new_zeros((rows.num_rows, *q.shape[1:])).index_copy_(0, rows.decode_rows, q)
+    num_kv_heads = kv_cache.shape[3]
+    q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    seq_lens = meta.decode_seq_lens
+    if pools is not None:
+        out = pooled_decode_attention(q, pools, meta.row_kv, seq_lens, scaling, window, softcap)
+        return out.reshape(num_seqs, num_heads, head_dim)
+    k, v = _gather_kv(kv_cache, meta.decode_block_tables)
+    mask = meta.decode_mask
     if window is not None:
         kv_pos = torch.arange(mask.shape[-1], device=mask.device)
         mask = mask & (kv_pos >= seq_lens - window)
@@ -269,8 +263,6 @@ def _decode_attention(
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
     else:
         out = _softcapped_attention(q, k, v, mask, scaling, softcap)
-    if rows is not None and not rows.in_order:
-        out = out[rows.decode_rows]
     return out.reshape(num_seqs, num_heads, head_dim)
 
 

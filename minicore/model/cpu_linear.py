@@ -1,50 +1,53 @@
-"""Linear layers on pre-packed MKL weights, for float32 models on CPU.
+"""Linear layers of float32 CPU models at decode batch sizes, computed as ``(W @ x^T)^T``.
 
-vLLM's CPU backend runs its linear layers on weights that oneDNN packed once at load
-(``vllm/model_executor/layers/utils.py`` ``dispatch_cpu_unquantized_gemm``; torch.compile's
-inductor does the same with freezing). torch's eager ``F.linear`` repacks the weight matrix inside
-MKL on every call; ``torch.ops.mkl._mkl_linear`` takes a weight packed once by
-``_mkl_reorder_linear_weight`` and computes bit for bit the same result (the same sgemm kernel),
-measured 2-13% faster per layer shape of SmolLM2-135M on an AVX2 EPYC, most on the wide
-gate/up projections and the LM head, and most at small batches (served decode). The packed copy
-is kept next to the original weight (which other code, tied embeddings included, still reads), so
-the linear weights take twice their memory. The runner applies it to CPU models;
-``MINICORE_PACKED_LINEAR=0`` turns it off (for A/B measurements). Left out: bfloat16 / oneDNN packing (vLLM uses it on
-CPUs with AMX or AVX512-BF16) and quantized weights.
+vLLM's CPU backend routes its linear layers through its own GEMM dispatch
+(``vllm/model_executor/layers/utils.py`` ``dispatch_cpu_unquantized_gemm``, oneDNN on
+pre-packed weights). On torch's MKL build, eager ``F.linear`` with few rows (a decode step:
+one row per sequence) spreads poorly over the threads: the LM head of SmolLM2-135M takes 20 ms
+for 16 rows on two AVX2 cores, and the same product with the operands swapped, one sgemm over
+the weight's long side, 13 ms (27 vs 33 ms at 64 rows; 10-35% on the layers' own shapes). Past
+~128 rows (prefill) the swapped product loses, so it is used for 12..128 rows only: below 12,
+MKL's small-batch kernels round ``F.linear`` differently, and inside the range the two results are
+equal bit for bit (so greedy outputs match transformers' exactly). The output stays a transposed
+view: a following linear then gets its ``x^T`` contiguous for free. MKL-packed weights
+(``torch.ops.mkl._mkl_linear``, inductor's freezing path) measured no faster than either.
+Left out: bfloat16 (oneDNN) and quantized weights.
 """
 
 import torch
 import torch.nn.functional as F
 
-# The batch size MKL packs for; the packed weight serves every batch size with the same results.
-_PACK_BATCH = 64
+# Rows (tokens) for which the swapped product is used; see the module docstring.
+MIN_ROWS, MAX_ROWS = 12, 128
 
 
-def use_packed_linear(model: torch.nn.Module) -> int:
-    """Swap the forward of each float32 ``nn.Linear`` of a CPU model for the packed one; returns
-    how many were swapped (0 where MKL is missing or the model is not float32 on CPU)."""
-    if not torch._C.has_mkl:
-        return 0
+def use_cpu_linear(model: torch.nn.Module) -> int:
+    """Swap the forward of each float32 ``nn.Linear`` of a CPU model (the tied LM head
+    included); returns how many were swapped."""
     swapped = 0
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if (type(module) is torch.nn.Linear and weight.dtype == torch.float32
-                and weight.device.type == "cpu"):
-            packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), _PACK_BATCH)
-            module.forward = _PackedForward(packed, weight, module.bias)
+    for name, module in model.named_modules():
+        if (type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
+                and module.weight.device.type == "cpu"):
+            module.forward = _SwappedLinear(module.weight, module.bias,
+                                            name.endswith(("gate_proj", "up_proj")))
             swapped += 1
     return swapped
 
 
-class _PackedForward:
-    """A module's forward: ``x @ weight.T + bias`` through the packed weight, any leading dims."""
+class _SwappedLinear:
+    """A module's forward: ``x @ weight.T + bias``, as ``(weight @ x^T)^T`` at decode sizes."""
 
-    def __init__(self, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-        self.packed, self.weight, self.bias = packed, weight, bias
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool):
+        self.weight, self.bias, self.transposed = weight, bias, transposed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or torch.is_grad_enabled():
-            return F.linear(x, self.weight, self.bias)  # autograd has no packed-linear backward
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
-        out = torch.ops.mkl._mkl_linear(rows, self.packed, self.weight, self.bias, _PACK_BATCH)
-        return out.view(*x.shape[:-1], out.shape[-1])
+        rows = x.reshape(-1, x.shape[-1])
+        if (not MIN_ROWS <= rows.shape[0] <= MAX_ROWS or x.dtype != torch.float32
+                or torch.is_grad_enabled()):
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is None:
+            out = torch.mm(self.weight, rows.t())
+        else:
+            out = torch.addmm(self.bias[:, None], self.weight, rows.t())
+        out = out.t() if self.transposed else out.t().contiguous()
+        return out.view(*x.shape[:-1], out.shape[1])

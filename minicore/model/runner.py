@@ -10,14 +10,14 @@ persistent input batches, speculative decoding, pipeline/tensor parallelism.
 """
 
 import logging
-import os
 
 import torch
 
 from minicore.config import EngineConfig
 from minicore.model.attention import (AttentionMetadata, compute_logits, kv_cache_shape,
                                       use_paged_attention)
-from minicore.model.cpu_linear import use_packed_linear
+from minicore.model.cpu_linear import use_cpu_linear
+from minicore.model.cpu_memory import keep_freed_memory
 from minicore.model.decode_kv import DecodeKVBuffers
 from minicore.model.sampler import (
     Penalties,
@@ -50,8 +50,9 @@ class ModelRunner(ModelRunnerBase):
         self.vocab_size = model.config.vocab_size
         self.block_size = config.cache_config.block_size
         use_paged_attention(model)
-        if self.device.type == "cpu" and os.environ.get("MINICORE_PACKED_LINEAR", "1") != "0":
-            use_packed_linear(model)
+        if self.device.type == "cpu":
+            keep_freed_memory()
+            use_cpu_linear(model)
         # The base model gives hidden states; the head runs only on sampling positions.
         self.base_model = model.base_model
         self.lm_head = model.get_output_embeddings()
@@ -59,8 +60,7 @@ class ModelRunner(ModelRunnerBase):
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         # Decode attention reads per-request rows instead of gathering blocks (CPU only: see
         # decode_kv.py); None runs the gather.
-        self.decode_kv = (DecodeKVBuffers(self.kv_caches, config.scheduler_config.max_model_len)
-                          if self.device.type == "cpu" else None)
+        self.decode_kv = DecodeKVBuffers(self.kv_caches) if self.device.type == "cpu" else None
         logger.info("KV cache: %d blocks of %d tokens (%d tokens)", self.num_blocks,
                     self.block_size, (self.num_blocks - 1) * self.block_size)
 

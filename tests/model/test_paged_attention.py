@@ -38,7 +38,7 @@ class PagedModel:
         self.free = random.Random(0).sample(range(NUM_BLOCKS), NUM_BLOCKS)
         self.tables: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
-        self.rows = DecodeKVBuffers(self.kv_caches, 1024) if rows else None
+        self.rows = DecodeKVBuffers(self.kv_caches, chunk_size=16) if rows else None
 
     def allocate(self, seq: str, num_new_tokens: int) -> None:
         table = self.tables.setdefault(seq, [])
@@ -174,7 +174,7 @@ def test_sliding_window_and_softcap(window, softcap, rows):
     tables = {"a": [3, 1, 5], "b": [2, 4]}
     cache = [torch.zeros(kv_cache_shape(8, block, kv_heads, dim))]
     module, out = SimpleNamespace(layer_idx=0), {"a": [], "b": []}
-    buffers = DecodeKVBuffers(cache, 64) if rows else None
+    buffers = DecodeKVBuffers(cache, chunk_size=8) if rows else None
     for step in ({"a": (0, 12), "b": (0, 13)}, {"b": (13, 14), "a": (12, 20)}):
         spans = list(step.values())
         row_kv = buffers and buffers.plan(list(step), [a for a, _ in spans], [b for _, b in spans],
