@@ -5,7 +5,8 @@ Workloads (greedy, EOS ignored, same model and dtype for both engines):
   varied   64 prompts, input and output lengths drawn from 16..256 (seeded)
 transformers runs each workload as one left-padded batch with max_new_tokens set to the longest
 requested output, so padding and sequences that are done but still batched cost it time; only
-requested output tokens are counted for either engine.
+requested output tokens are counted for either engine. transformers runs in a fresh process of
+its own, with torch's defaults, as its users run it.
 
 Roofline: the workload's matmul FLOPs (every linear layer for every token fed, attention scores
 and values over each token's context, the LM head for each sampled token), over the fp32 (or
@@ -20,9 +21,11 @@ minicore/model/decode_kv.py), side by side.
 
 import argparse
 import json
+import multiprocessing
 import random
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -95,8 +98,16 @@ def run_minicore(llm: LLM, work) -> float:
     return elapsed
 
 
-@torch.inference_mode()
-def run_transformers(model, tokenizer, work, device) -> float:
+def run_transformers(work, dtype, device) -> float:
+    """transformers' batched generate on its own load of the model, in the process this runs in
+    (a fresh one: see main)."""
+    model, tokenizer = load_model(dtype=dtype, device=device)
+    with torch.inference_mode(), attn_implementation(model, "sdpa"):
+        _generate(model, tokenizer, [(p, 2) for p, _ in work[:4]], model.device)  # warm-up
+        return _generate(model, tokenizer, work, model.device)
+
+
+def _generate(model, tokenizer, work, device) -> float:
     width = max(len(p) for p, _ in work)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in work], device=device)
@@ -127,9 +138,10 @@ def main() -> None:
     llm = LLM(model, tokenizer=tokenizer, max_model_len=1024, max_num_seqs=256)
     load_s = time.perf_counter() - start
     runner = llm.llm_engine.model_runner
-    # transformers runs on its own copy: minicore's runner swaps the CPU linear layers it serves
-    # for packed ones (minicore/model/cpu_linear.py).
-    hf_model, _ = load_model(dtype=args.dtype, device=args.device)
+    # transformers runs in a fresh process, as its users run it: minicore's runner changes its
+    # process (its CPU linear layers, minicore/model/cpu_linear.py; the allocator,
+    # minicore/model/cpu_memory.py, which makes transformers faster too).
+    reference = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     rate = measure_matmul_rate(cfg, dtype, device)
     rows = []
     for name in args.workloads:
@@ -144,9 +156,7 @@ def main() -> None:
             other = make_workload(name, args.num_prompts, cfg.vocab_size, seed=1)
             gather_tok_s = sum(o for _, o in other) / run_minicore(llm, other)
             runner.decode_kv = decode_kv
-        # Reference run with transformers' own attention and linear layers, same weights.
-        with attn_implementation(hf_model, "sdpa"):
-            t_hf = run_transformers(hf_model, tokenizer, work, device)
+        t_hf = reference.submit(run_transformers, work, args.dtype, args.device).result()
         flops = matmul_flops(cfg, work)
         rows.append({"workload": name, "num_prompts": len(work), "output_tokens": num_out,
                      "minicore_s": t_mini, "transformers_s": t_hf, "gather_tok_s": gather_tok_s,
