@@ -1,0 +1,85 @@
+"""The CPU runner's process and layer settings: linear layers as (W @ x^T)^T
+(minicore/model/cpu_linear.py) and glibc keeping freed blocks (minicore/model/cpu_memory.py)."""
+
+import platform
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minicore.model.cpu_linear import MAX_ROWS, MIN_ROWS, use_cpu_linear
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    mlp = torch.nn.Module()
+    mlp.gate_proj, mlp.up_proj = torch.nn.Linear(96, 160), torch.nn.Linear(96, 160, bias=False)
+    mlp.down_proj = torch.nn.Linear(160, 96)
+    mlp.head = torch.nn.Linear(96, 1000, bias=False)
+    mlp.half = torch.nn.Linear(96, 8).to(torch.bfloat16)
+    return mlp
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> None:
+    # Bit-identical with the MKL of torch's x86 CPU wheel as measured (AVX2 EPYC); a tolerance of
+    # a few ulps keeps the check meaningful (a wrong layout is off by O(1)) on other CPUs' kernels.
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_swapped_linear_equals_f_linear():
+    model = _model()
+    weights = {name: (m.weight, m.bias) for name, m in model.named_children()}
+    assert use_cpu_linear(model) == 4  # the bfloat16 layer keeps its own forward
+    with torch.inference_mode():
+        for rows in [1, 3, MIN_ROWS, 16, 64, MAX_ROWS, MAX_ROWS + 1, 300]:
+            x = torch.randn(1, rows, 96)
+            for name in ("gate_proj", "up_proj", "head"):
+                out = getattr(model, name)(x)
+                assert out.shape == (1, rows, weights[name][0].shape[0])
+                _same(out, F.linear(x, *weights[name]))
+            hidden = F.silu(model.gate_proj(x)) * model.up_proj(x)
+            down = model.down_proj(hidden)
+            _same(down, F.linear(hidden.contiguous(), *weights["down_proj"]))
+            # gate/up stay transposed views in the swapped range (their product feeds down_proj
+            # as a contiguous x^T); every other layer's output is contiguous.
+            swapped = MIN_ROWS <= rows <= MAX_ROWS
+            assert model.gate_proj(x).is_contiguous() is not swapped
+            assert model.head(x).is_contiguous() and down.is_contiguous()
+
+
+def test_swapped_linear_leaves_autograd_to_f_linear():
+    model = _model()
+    use_cpu_linear(model)
+    x = torch.randn(16, 96, requires_grad=True)
+    model.gate_proj(x).sum().backward()
+    assert x.grad is not None and model.gate_proj.weight.grad is not None
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc only")
+@pytest.mark.parametrize("keep", [False, True])
+def test_freed_blocks_stay_in_the_heap(keep):
+    """A freed 256 MiB activation goes back to the kernel with glibc's defaults (resident memory
+    drops) and stays in the heap once keep_freed_memory() ran (resident memory stays)."""
+    script = textwrap.dedent(f"""
+        import torch
+        from minicore.model.cpu_memory import keep_freed_memory
+        def rss():
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * 4096
+        if {keep}:
+            assert keep_freed_memory()
+        x = torch.ones(64 * 2**20)
+        before_free = rss()
+        del x
+        print((before_free - rss()) / 2**20)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True)
+    returned_mib = float(out.stdout.split()[-1])
+    if keep:
+        assert returned_mib < 16
+    else:
+        assert returned_mib > 200
