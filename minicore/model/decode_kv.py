@@ -5,12 +5,14 @@ vLLM's CPU backend reads the paged cache in place with its own kernels
 gathering every decoding sequence's blocks into one padded batch copies the whole live KV cache
 once per layer per step. Instead the KV of each running request is also kept in rows that batched
 matmuls read as views, like vLLM's persistent ``InputBatch`` keeps a row per request. A request's
-positions are cut into chunks of ``chunk_size`` (128); chunk ``j`` of every request lives in pool
+positions are cut into chunks of ``chunk_size`` (256); chunk ``j`` of every request lives in pool
 ``j``, a per-layer buffer ``[2, slots, kv_heads, chunk_size, head_dim]`` whose used slots are kept
 dense (a leaving request's slot takes the pool's last one). Decode attention then takes, chunk by
 chunk, one matmul over the used slots of that pool: the keys a step reads are the live ones, up to
 the end of each request's last chunk, whatever the mix of lengths (one padded buffer per step would
-read every row to the longest sequence's length). Scores of all chunks meet in one softmax.
+read every row to the longest sequence's length). Scores of all chunks meet in one softmax; when
+one pool holds every decoding request in order (contexts within one chunk, the common case at
+256), the attention is just two matmuls and a softmax.
 
 The paged cache stays the source of truth (prefix caching, chunked prefill and prefill attention
 read it); every new token is written to both. A request that arrives with tokens already computed
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-CHUNK_SIZE = 128
+CHUNK_SIZE = 256
 
 
 @dataclass(slots=True)
@@ -204,15 +206,17 @@ def pooled_decode_attention(q: torch.Tensor, pools: list[torch.Tensor], rows: Ro
     kernel took 1.6 ms a layer where these take 1.0 (64 sequences of ~190 tokens, SmolLM2-135M,
     two AVX2 cores); and they take the soft-cap, which SDPA has not."""
     num_seqs = q.shape[0]
+    if window is None and len(rows.views) == 1 and _is_whole(rows.views[0], num_seqs):
+        # One pool holds every decoding sequence, in order (the uniform case): no scatter.
+        view = rows.views[0]
+        keys, values = pools[0][:, :num_seqs, :, :view.width]
+        scores = _chunk_scores(q, keys, view, scaling, softcap)
+        return torch.matmul(torch.softmax(scores, dim=-1), values)
     q = torch.cat([q, q.new_zeros(1, *q.shape[1:])])
     scores = q.new_full((*q.shape[:3], rows.max_len), float("-inf"))
     for view in rows.views:
         keys = pools[view.chunk][0, :view.num_slots, :, :view.width]
-        part = torch.matmul(_slot_rows(q, view), keys.transpose(-1, -2)) * scaling
-        if softcap is not None:
-            part = torch.tanh(part / softcap) * softcap
-        if view.mask is not None:
-            part.masked_fill_(~view.mask, float("-inf"))
+        part = _chunk_scores(_slot_rows(q, view), keys, view, scaling, softcap)
         columns = scores[..., _positions(view, rows.chunk_size)]
         if view.decode_index is None:
             columns[:view.num_slots] = part
@@ -231,6 +235,21 @@ def pooled_decode_attention(q: torch.Tensor, pools: list[torch.Tensor], rows: Ro
         else:
             out.index_add_(0, view.decode_index, part)
     return out[:num_seqs]
+
+
+def _is_whole(view: ChunkView, num_seqs: int) -> bool:
+    return view.chunk == 0 and view.decode_index is None and view.num_slots == num_seqs
+
+
+def _chunk_scores(q: torch.Tensor, keys: torch.Tensor, view: ChunkView, scaling: float,
+                  softcap: float | None) -> torch.Tensor:
+    """Scaled (and capped) scores of q's rows over a chunk's keys, -inf past each length."""
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if view.mask is not None:
+        scores.masked_fill_(~view.mask, float("-inf"))
+    return scores
 
 
 def _slot_rows(x: torch.Tensor, view: ChunkView) -> torch.Tensor:

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from minicore.model.attention import AttentionMetadata, kv_cache_shape, paged_attention_forward
-from minicore.model.decode_kv import DecodeKVBuffers
+from minicore.model.decode_kv import DecodeKVBuffers, _is_whole
 
-HEADS, KV_HEADS, DIM, BLOCK, CHUNK = 4, 2, 8, 4, 8
+HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
 
 
 def _dense(q, k, v):
@@ -25,14 +25,14 @@ def _dense(q, k, v):
 
 
 class Traffic:
-    def __init__(self, num_blocks: int, seed: int):
+    def __init__(self, num_blocks: int, chunk_size: int, seed: int):
         self.rng = random.Random(seed)
         self.cache = [torch.zeros(kv_cache_shape(num_blocks, BLOCK, KV_HEADS, DIM))]
         self.free = list(range(1, num_blocks))
-        self.pools = DecodeKVBuffers(self.cache, chunk_size=CHUNK)
+        self.pools = DecodeKVBuffers(self.cache, chunk_size=chunk_size)
         self.seqs: dict[str, dict] = {}
         self.refs = [0] * num_blocks
-        self.fallbacks = self.pool_steps = 0
+        self.fallbacks = self.pool_steps = self.whole_steps = 0
 
     def arrive(self, name: str) -> None:
         prompt = self.rng.randint(1, 40)
@@ -69,6 +69,8 @@ class Traffic:
                                [i for i, n in enumerate(new) if n == 1], set(self.seqs))
         self.fallbacks += rows is None
         self.pool_steps += rows is not None
+        decodes = new.count(1)
+        self.whole_steps += bool(rows and len(rows.views) == 1 and _is_whole(rows.views[0], decodes))
         meta = AttentionMetadata.build([self.seqs[s]["table"] for s in batch], computed, new,
                                        self.cache, rows)
         q, k, v = (torch.randn(sum(new), h, DIM) for h in (HEADS, KV_HEADS, KV_HEADS))
@@ -83,10 +85,11 @@ class Traffic:
                                        atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("num_blocks,expect_fallback", [(4096, False), (40, True)],
-                         ids=["roomy", "tight"])
-def test_pools_under_random_traffic(num_blocks, expect_fallback):
-    traffic = Traffic(num_blocks, seed=num_blocks)
+@pytest.mark.parametrize("num_blocks,chunk_size,expect_fallback",
+                         [(4096, 8, False), (40, 8, True), (4096, 64, False)],
+                         ids=["roomy", "tight", "one-chunk"])
+def test_pools_under_random_traffic(num_blocks, chunk_size, expect_fallback):
+    traffic = Traffic(num_blocks, chunk_size, seed=num_blocks + chunk_size)
     names = iter(range(10**6))
     for _ in range(6):
         traffic.arrive(str(next(names)))
@@ -101,3 +104,7 @@ def test_pools_under_random_traffic(num_blocks, expect_fallback):
             traffic.arrive(str(next(names)))
     assert traffic.pool_steps > 20
     assert (traffic.fallbacks > 0) == expect_fallback
+    # Small chunks: requests span several pools; one large chunk: some steps take the fast path
+    # (every decoding request in pool 0, in order) and some the general one.
+    assert (traffic.whole_steps > 0) == (chunk_size == 64)
+    assert traffic.whole_steps < traffic.pool_steps
