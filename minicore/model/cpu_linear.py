@@ -8,8 +8,11 @@ for 16 rows on two AVX2 cores, and the same product with the operands swapped, o
 the weight's long side, 13 ms (27 vs 33 ms at 64 rows; 10-35% on the layers' own shapes). Past
 ~128 rows (prefill) the swapped product loses, so it is used for 12..128 rows only: below 12,
 MKL's small-batch kernels round ``F.linear`` differently, and inside the range the two results are
-equal bit for bit (so greedy outputs match transformers' exactly). The output stays a transposed
-view: a following linear then gets its ``x^T`` contiguous for free. MKL-packed weights
+equal bit for bit (so greedy outputs match transformers' exactly). The product comes out
+transposed: the MLP's gate/up projections hand it on as a view (their product feeds down_proj,
+which then gets its ``x^T`` contiguous for free); every other output is copied back to row-major,
+which attention, the residual adds and the sampler want (leaving all of them strided measured
+slower). MKL-packed weights
 (``torch.ops.mkl._mkl_linear``, inductor's freezing path) measured no faster than either.
 Left out: bfloat16 (oneDNN) and quantized weights.
 """
