@@ -185,14 +185,14 @@ def paged_attention_forward(
     kv_cache = meta.kv_caches[module.layer_idx]
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, head_dim]
     write_kv_cache(kv_cache, k, v, meta.slot_mapping)
-    pools = None
+    layer = module.layer_idx
     if meta.row_kv is not None:
-        pools = [chunk[module.layer_idx] for chunk in meta.row_kv.pools]
+        pools = [chunk[layer] for chunk in meta.row_kv.pools]
         write_rows(pools, k, v, meta.row_kv)
         fill_rows(pools, kv_cache, meta.block_tables, meta.row_kv)
 
     def decode(q_decode: torch.Tensor) -> torch.Tensor:
-        return _decode_attention(q_decode, kv_cache, pools, meta, scaling, window, softcap)
+        return _decode_attention(q_decode, kv_cache, layer, meta, scaling, window, softcap)
 
     if not meta.prefill_seqs:  # decodes only (the steady state): token i is sequence i
         return decode(q).unsqueeze(0), None
@@ -237,7 +237,7 @@ def _gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
 def _decode_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
-    pools: list[torch.Tensor] | None,
+    layer: int,
     meta: AttentionMetadata,
     scaling: float,
     window: int | None,
@@ -251,8 +251,8 @@ def _decode_attention(
     num_kv_heads = kv_cache.shape[3]
     q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     seq_lens = meta.decode_seq_lens
-    if pools is not None:
-        out = pooled_decode_attention(q, pools, meta.row_kv, seq_lens, scaling, window, softcap)
+    if meta.row_kv is not None:
+        out = pooled_decode_attention(q, layer, meta.row_kv, seq_lens, scaling, window, softcap)
         return out.reshape(num_seqs, num_heads, head_dim)
     k, v = _gather_kv(kv_cache, meta.decode_block_tables)
     mask = meta.decode_mask

@@ -7,12 +7,13 @@ once per layer per step. Instead the KV of each running request is also kept in 
 matmuls read as views, like vLLM's persistent ``InputBatch`` keeps a row per request. A request's
 positions are cut into chunks of ``chunk_size`` (256); chunk ``j`` of every request lives in pool
 ``j``, a per-layer buffer ``[2, slots, kv_heads, chunk_size, head_dim]`` whose used slots are kept
-dense (a leaving request's slot takes the pool's last one). Decode attention then takes, chunk by
-chunk, one matmul over the used slots of that pool: the keys a step reads are the live ones, up to
-the end of each request's last chunk, whatever the mix of lengths (one padded buffer per step would
-read every row to the longest sequence's length). Scores of all chunks meet in one softmax; when
-one pool holds every decoding request in order (contexts within one chunk, the common case at
-256), the attention is just two matmuls and a softmax.
+dense (a leaving request's slot takes the pool's last one). Decode attention reads each request's
+live rows in place: with the native kernel (native.py) where it builds, else in torch, chunk by
+chunk, one matmul over the used slots of that pool, up to the end of each request's last chunk,
+whatever the mix of lengths (one padded buffer per step would read every row to the longest
+sequence's length). Scores of all chunks meet in one softmax; when one pool holds every decoding
+request in order (contexts within one chunk, the common case at 256), the torch path is just two
+matmuls and a softmax.
 
 The paged cache stays the source of truth (prefix caching, chunked prefill and prefill attention
 read it); every new token is written to both. A request that arrives with tokens already computed
@@ -26,7 +27,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ctypes
+
 import torch
+
+from minicore.model.native import decode_attention
 
 CHUNK_SIZE = 256
 
@@ -52,16 +57,21 @@ class RowKV:
     # for all of them, [tokens, kv_heads] flat index of each token's heads in the pool)
     fills: list[tuple[int, list[int], int]]  # (sequence, its slots, its computed tokens): to
     # copy from the paged cache
-    views: list[ChunkView]  # the pools decode attention reads
+    views: list[ChunkView]  # the pools decode attention reads (empty when the kernel reads)
     max_len: int  # longest decoding sequence
+    kernel: ctypes.CDLL | None  # native.py's decode attention, which reads through:
+    slots: torch.Tensor | None  # [decoding sequences, chunks] each one's slot in each pool
+    pointers: torch.Tensor | None  # [layers, 2, chunks] addresses of the key and value pools
 
 
 class DecodeKVBuffers:
     """The pools, and which request holds which slot of each."""
 
-    def __init__(self, kv_caches: list[torch.Tensor], chunk_size: int = CHUNK_SIZE):
+    def __init__(self, kv_caches: list[torch.Tensor], chunk_size: int = CHUNK_SIZE,
+                 kernel: ctypes.CDLL | None = None):
         _, num_blocks, block_size, self.num_kv_heads, self.head_dim = kv_caches[0].shape
         self.num_layers, self.dtype = len(kv_caches), kv_caches[0].dtype
+        self.kernel = kernel if self.dtype == torch.float32 else None  # native.py: float32 only
         self.max_slots = num_blocks * block_size
         self.chunk_size = chunk_size
         self.pools: list[list[torch.Tensor]] = []
@@ -81,10 +91,13 @@ class DecodeKVBuffers:
         if not self._reserve():
             self.pools, self.owners, self.slots = [], [], {}  # refilled when they fit again
             return None
+        native = self.kernel is not None
         return RowKV(self.pools, self.chunk_size, self._writes(req_ids, computed, seq_lens),
                      [(seq, self.slots[req_ids[seq]], computed[seq]) for seq in fills],
-                     self._views(req_ids, seq_lens, decodes),
-                     max((seq_lens[seq] for seq in decodes), default=0))
+                     [] if native else self._views(req_ids, seq_lens, decodes),
+                     max((seq_lens[seq] for seq in decodes), default=0), self.kernel,
+                     self._decode_slots(req_ids, decodes) if native else None,
+                     self._pointers() if native else None)
 
     def _extend(self, req_id: str, num_chunks: int) -> None:
         slots = self.slots.setdefault(req_id, [])
@@ -152,6 +165,18 @@ class DecodeKVBuffers:
                  torch.tensor(flat)[:, None] + head_offsets)
                 for chunk, (rows, flat) in per_chunk.items()]
 
+    def _decode_slots(self, req_ids: list[str], decodes: list[int]) -> torch.Tensor:
+        slots = [self.slots[req_ids[seq]] for seq in decodes]
+        width = max(map(len, slots), default=0)
+        return torch.tensor([s + [0] * (width - len(s)) for s in slots], dtype=torch.int64)
+
+    def _pointers(self) -> torch.Tensor:
+        """Per layer, the addresses of each chunk's key pool and value pool."""
+        return torch.tensor([
+            [[p[layer].data_ptr() + i * p[layer].stride(0) * p[layer].element_size()
+              for p in self.pools] for i in (0, 1)]
+            for layer in range(self.num_layers)], dtype=torch.int64)
+
     def _views(self, req_ids, seq_lens, decodes) -> list[ChunkView]:
         decode_of = {req_ids[seq]: (row, seq_lens[seq]) for row, seq in enumerate(decodes)}
         views = []
@@ -195,16 +220,22 @@ def fill_rows(pools: list[torch.Tensor], kv_cache: torch.Tensor, block_tables: t
             pools[chunk][:, slots[chunk], :, :width] = kv[:, start:start + width].transpose(1, 2)
 
 
-def pooled_decode_attention(q: torch.Tensor, pools: list[torch.Tensor], rows: RowKV,
-                            seq_lens: torch.Tensor, scaling: float, window: int | None,
+def pooled_decode_attention(q: torch.Tensor, layer: int, rows: RowKV, seq_lens: torch.Tensor,
+                            scaling: float, window: int | None,
                             softcap: float | None) -> torch.Tensor:
     """Decode attention of ``q`` (``[Bd, kv_heads, group, head_dim]``, the decoding sequences in
-    order; ``seq_lens`` ``[Bd, 1, 1, 1]``) over one layer's pools: per chunk, one matmul over its
-    used slots for the scores, one softmax over every chunk's scores, per chunk one matmul for the
-    values. Slots of requests that are not decoding this step land in an extra row, dropped.
-    Plain matmuls rather than SDPA: for decode's few query rows per KV head, SDPA's CPU flash
-    kernel took 1.6 ms a layer where these take 1.0 (64 sequences of ~190 tokens, SmolLM2-135M,
-    two AVX2 cores); and they take the soft-cap, which SDPA has not."""
+    order; ``seq_lens`` ``[Bd, 1, 1, 1]``) over the pools of ``layer``: by the native kernel
+    where there is one (native.py: 0.93 against 1.46 ms a layer at 64 sequences of ~190 tokens,
+    SmolLM2-135M, two AVX2 cores), else in torch: per chunk, one matmul over its used slots for
+    the scores, one softmax over every chunk's scores, per chunk one matmul for the values. Slots
+    of requests that are not decoding this step land in an extra row, dropped. Plain matmuls
+    rather than SDPA: for decode's few query rows per KV head, SDPA's CPU flash kernel took 1.6 ms
+    a layer where these take 1.0; and they take the soft-cap, which SDPA has not."""
+    if rows.kernel is not None:
+        return decode_attention(rows.kernel, q, rows.pointers[layer], rows.slots,
+                                seq_lens.view(-1), rows.chunk_size, rows.max_len, scaling,
+                                window, softcap)
+    pools = [chunk[layer] for chunk in rows.pools]
     num_seqs = q.shape[0]
     if window is None and len(rows.views) == 1 and _is_whole(rows.views[0], num_seqs):
         # One pool holds every decoding sequence, in order (the uniform case): no scatter.

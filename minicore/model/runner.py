@@ -19,6 +19,7 @@ from minicore.model.attention import (AttentionMetadata, compute_logits, kv_cach
 from minicore.model.cpu_linear import use_cpu_linear
 from minicore.model.cpu_memory import keep_freed_memory
 from minicore.model.decode_kv import DecodeKVBuffers
+from minicore.model.native import decode_attention_kernel
 from minicore.model.sampler import (
     Penalties,
     SamplingMetadata,
@@ -59,8 +60,9 @@ class ModelRunner(ModelRunnerBase):
         self.num_blocks = self._determine_num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         # Decode attention reads per-request rows instead of gathering blocks (CPU only: see
-        # decode_kv.py); None runs the gather.
-        self.decode_kv = DecodeKVBuffers(self.kv_caches) if self.device.type == "cpu" else None
+        # decode_kv.py), with the native kernel where it builds; None runs the gather.
+        self.decode_kv = (DecodeKVBuffers(self.kv_caches, kernel=decode_attention_kernel())
+                          if self.device.type == "cpu" else None)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens)", self.num_blocks,
                     self.block_size, (self.num_blocks - 1) * self.block_size)
 

@@ -1,13 +1,15 @@
 """Per-request KV pools (minicore/model/decode_kv.py) under random traffic, on a bare attention
 layer: arrivals (some with prefix-cache hits), chunked prefills, decodes, departures from the
 middle of the pools, and, with a tight cache, steps where the pools do not fit (the gather runs);
-every token's attention output must equal dense causal attention over its sequence's history."""
+every token's attention output must equal dense causal attention over its sequence's history,
+with decode attention in torch and in the native kernel (minicore/model/native.py)."""
 
 import random
 from types import SimpleNamespace
 
 import pytest
 import torch
+from test_native import native_kernel
 
 from minicore.model.attention import AttentionMetadata, kv_cache_shape, paged_attention_forward
 from minicore.model.decode_kv import DecodeKVBuffers, _is_whole
@@ -25,11 +27,11 @@ def _dense(q, k, v):
 
 
 class Traffic:
-    def __init__(self, num_blocks: int, chunk_size: int, seed: int):
+    def __init__(self, num_blocks: int, chunk_size: int, seed: int, kernel=None):
         self.rng = random.Random(seed)
         self.cache = [torch.zeros(kv_cache_shape(num_blocks, BLOCK, KV_HEADS, DIM))]
         self.free = list(range(1, num_blocks))
-        self.pools = DecodeKVBuffers(self.cache, chunk_size=chunk_size)
+        self.pools = DecodeKVBuffers(self.cache, chunk_size=chunk_size, kernel=kernel)
         self.seqs: dict[str, dict] = {}
         self.refs = [0] * num_blocks
         self.fallbacks = self.pool_steps = self.whole_steps = 0
@@ -88,8 +90,10 @@ class Traffic:
 @pytest.mark.parametrize("num_blocks,chunk_size,expect_fallback",
                          [(4096, 8, False), (40, 8, True), (4096, 64, False)],
                          ids=["roomy", "tight", "one-chunk"])
-def test_pools_under_random_traffic(num_blocks, chunk_size, expect_fallback):
-    traffic = Traffic(num_blocks, chunk_size, seed=num_blocks + chunk_size)
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_pools_under_random_traffic(num_blocks, chunk_size, expect_fallback, native):
+    traffic = Traffic(num_blocks, chunk_size, seed=num_blocks + chunk_size,
+                      kernel=native_kernel() if native else None)
     names = iter(range(10**6))
     for _ in range(6):
         traffic.arrive(str(next(names)))
@@ -104,7 +108,8 @@ def test_pools_under_random_traffic(num_blocks, chunk_size, expect_fallback):
             traffic.arrive(str(next(names)))
     assert traffic.pool_steps > 20
     assert (traffic.fallbacks > 0) == expect_fallback
-    # Small chunks: requests span several pools; one large chunk: some steps take the fast path
-    # (every decoding request in pool 0, in order) and some the general one.
-    assert (traffic.whole_steps > 0) == (chunk_size == 64)
-    assert traffic.whole_steps < traffic.pool_steps
+    if not native:
+        # Small chunks: requests span several pools; one large chunk: some steps take the fast
+        # path (every decoding request in pool 0, in order) and some the general one.
+        assert (traffic.whole_steps > 0) == (chunk_size == 64)
+        assert traffic.whole_steps < traffic.pool_steps

@@ -3,13 +3,15 @@
 Covers a packed multi-sequence prefill, decode steps, a chunked prefill mixed with decodes (in
 either order), and a prefix-cache hit on blocks that another sequence fills in the same forward.
 Block ids are handed out in shuffled order so that no test passes by contiguity. Each runs with
-decode attention gathering blocks and reading per-request rows (minicore/model/decode_kv.py).
+decode attention gathering blocks and reading per-request rows (minicore/model/decode_kv.py), in
+torch and with the native kernel (minicore/model/native.py).
 """
 
 import random
 
 import pytest
 import torch
+from test_native import native_kernel
 
 from minicore.model.attention import (
     AttentionMetadata,
@@ -24,13 +26,14 @@ pytestmark = pytest.mark.model
 BLOCK_SIZE = 16
 NUM_BLOCKS = 96
 ATOL = 2e-4
+DECODE_PATHS = ["gather", "rows", "native"]
 
 
 
 class PagedModel:
     """Minimal stand-in for the runner: a block pool, per-sequence block tables, packed forwards."""
 
-    def __init__(self, model, rows: bool):
+    def __init__(self, model, decode: str):
         self.model = model
         cfg = model.config
         shape = kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
@@ -38,7 +41,8 @@ class PagedModel:
         self.free = random.Random(0).sample(range(NUM_BLOCKS), NUM_BLOCKS)
         self.tables: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
-        self.rows = DecodeKVBuffers(self.kv_caches, chunk_size=16) if rows else None
+        self.rows = None if decode == "gather" else DecodeKVBuffers(
+            self.kv_caches, chunk_size=16, kernel=native_kernel() if decode == "native" else None)
 
     def allocate(self, seq: str, num_new_tokens: int) -> None:
         table = self.tables.setdefault(seq, [])
@@ -87,7 +91,7 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["gather", "rows"])
+@pytest.fixture(scope="module", params=DECODE_PATHS)
 def paged(hf_model_and_tokenizer, request):
     model, tokenizer = hf_model_and_tokenizer
     old = model.config._attn_implementation
@@ -156,9 +160,9 @@ def _dense_attention(q, k, v, scaling, window, softcap):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("rows", [False, True], ids=["gather", "rows"])
+@pytest.mark.parametrize("decode", DECODE_PATHS)
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 0.5), (5, 0.5)])
-def test_sliding_window_and_softcap(window, softcap, rows):
+def test_sliding_window_and_softcap(window, softcap, decode):
     """Two steps on a bare layer: "a" is chunk-prefilled (12 tokens, then 8 read against the
     cache), "b" prefilled whole and then decoded; every row must equal dense eager attention."""
     from types import SimpleNamespace
@@ -174,7 +178,8 @@ def test_sliding_window_and_softcap(window, softcap, rows):
     tables = {"a": [3, 1, 5], "b": [2, 4]}
     cache = [torch.zeros(kv_cache_shape(8, block, kv_heads, dim))]
     module, out = SimpleNamespace(layer_idx=0), {"a": [], "b": []}
-    buffers = DecodeKVBuffers(cache, chunk_size=8) if rows else None
+    buffers = None if decode == "gather" else DecodeKVBuffers(
+        cache, chunk_size=8, kernel=native_kernel() if decode == "native" else None)
     for step in ({"a": (0, 12), "b": (0, 13)}, {"b": (13, 14), "a": (12, 20)}):
         spans = list(step.values())
         row_kv = buffers and buffers.plan(list(step), [a for a, _ in spans], [b for _, b in spans],

@@ -1,0 +1,106 @@
+"""minicore's one C kernel, CPU decode attention over the KV pools, built on first use.
+
+vLLM's CPU backend ships compiled kernels (csrc/cpu, behind ``vllm/v1/attention/backends/
+cpu_attn.py``); torch has no decode attention that reads per-request rows at memory speed (its
+batched matmuls over decode's few query rows per KV head stream keys at ~15 GB/s where two AVX2
+cores stream 30). ``csrc/decode_attention.c`` holds the two passes (scores over the keys, the
+weighted sum of the values; the softmax between them stays in torch). It is compiled with the
+machine's C compiler (``$CC``, else ``cc``; ``-O3 -march=native -fopenmp``) into
+``$MINICORE_CACHE/kernels`` under a name keyed by source, flags and CPU, once per machine (~1 s),
+and loaded with ctypes. Its OpenMP runtime is the one torch already loaded (same soname), so its
+threads are torch's threads. Without a compiler, or if the build fails, decode attention stays in
+torch (decode_kv.py), with a warning. Left out: other dtypes than float32, other kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from minicore.model.loader import default_cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+
+_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+# q/probs, pools, slots, seq_lens, batch, heads, group, dim, chunk, max_chunks, max_len
+_COMMON = [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I]
+
+
+@functools.cache
+def decode_attention_kernel() -> ctypes.CDLL | None:
+    """The compiled kernel (built now if this machine has none yet), or None where it cannot
+    be built."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        logger.warning("no C compiler: CPU decode attention runs on torch matmuls (slower)")
+        return None
+    path = default_cache_dir() / "kernels" / f"decode_attention-{_build_key(compiler)}.so"
+    try:
+        if not path.is_file():
+            _build(compiler, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.CalledProcessError) as e:
+        logger.warning("building %s failed, decode attention runs on torch: %s", SOURCE.name,
+                       getattr(e, "stderr", None) or e)
+        return None
+    lib.decode_scores.argtypes = _COMMON + [_F, _F, _I64, _P, _I]
+    lib.decode_values.argtypes = _COMMON + [_I64, _P, _I]
+    lib.decode_scores.restype = lib.decode_values.restype = None
+    return lib
+
+
+def _build_key(compiler: str) -> str:
+    """Source, flags, compiler and CPU: a cache folder shared between machines must not hand
+    one an -march=native build of another."""
+    cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    flags = next((line for line in cpu.splitlines() if line.startswith("flags")), "")
+    parts = [SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(), flags.encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def _build(compiler: str, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Built under a temporary name and renamed: DP ranks may build at the same moment.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True,
+                       capture_output=True, text=True)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, pointers: torch.Tensor,
+                     slots: torch.Tensor, seq_lens: torch.Tensor, chunk_size: int, max_len: int,
+                     scaling: float, window: int | None, softcap: float | None) -> torch.Tensor:
+    """Attention of ``q`` (``[B, kv_heads, group, dim]`` float32) for B decoding sequences of
+    lengths ``seq_lens`` (``[B]`` int64), whose positions ``[c * chunk_size, ...)`` lie in slot
+    ``slots[b, c]`` of the pools whose addresses are ``pointers`` (``[2, chunks]``: keys, values;
+    each pool ``[slots, kv_heads, chunk_size, dim]``)."""
+    q = q.contiguous()
+    batch, heads, group, dim = q.shape
+    threads = torch.get_num_threads()
+    shape = (batch, heads, group, dim, chunk_size, slots.shape[1], max_len)
+    scores = q.new_empty(batch, heads, group, max_len)
+    lib.decode_scores(q.data_ptr(), pointers[0].data_ptr(), slots.data_ptr(),
+                      seq_lens.data_ptr(), *shape, scaling, softcap or 0.0, window or 0,
+                      scores.data_ptr(), threads)
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.empty_like(q)
+    lib.decode_values(probs.data_ptr(), pointers[1].data_ptr(), slots.data_ptr(),
+                      seq_lens.data_ptr(), *shape, window or 0, out.data_ptr(), threads)
+    return out

@@ -1,0 +1,101 @@
+"""The native decode attention kernel (minicore/model/native.py): how it is built and found, and
+its output against dense attention over randomly laid out pools (several chunks, slots in any
+order, lengths ending anywhere, GQA groups, head sizes that are not a multiple of 8, sliding
+window, soft-cap)."""
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from minicore.model import native
+from minicore.model.native import decode_attention, decode_attention_kernel
+
+
+def native_kernel():
+    """The kernel, built on this machine; skips where there is no C compiler."""
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler on this machine")
+    lib = decode_attention_kernel()
+    assert lib is not None, "a C compiler is here but the kernel did not build"
+    return lib
+
+
+@pytest.fixture
+def fresh_build(tmp_path, monkeypatch):
+    """decode_attention_kernel() as in a new process, with an empty cache folder."""
+    monkeypatch.setenv("MINICORE_CACHE", str(tmp_path))
+    decode_attention_kernel.cache_clear()
+    yield tmp_path / "kernels"
+    decode_attention_kernel.cache_clear()
+
+
+def test_built_once_into_the_cache_folder(fresh_build):
+    native_kernel()
+    built = list(fresh_build.iterdir())
+    assert [p.suffix for p in built] == [".so"]  # no temporary file left behind
+    stamp = built[0].stat().st_mtime_ns
+    decode_attention_kernel.cache_clear()
+    assert decode_attention_kernel() is not None
+    assert [p.stat().st_mtime_ns for p in fresh_build.iterdir()] == [stamp]  # not rebuilt
+
+
+def test_no_compiler_or_failed_build_falls_back_with_a_warning(fresh_build, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "no-such-compiler")
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert decode_attention_kernel() is None
+    assert "no C compiler" in caplog.text
+    decode_attention_kernel.cache_clear()
+    monkeypatch.setenv("CC", "false")  # a "compiler" that fails
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert decode_attention_kernel() is None
+    assert "failed" in caplog.text
+    assert not any(fresh_build.iterdir())
+
+
+def test_shares_torchs_openmp_runtime():
+    native_kernel()
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    gomp = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(gomp) == 1, gomp
+
+
+def _dense(q, k, v, scaling, window, softcap):
+    """One sequence: q [kv_heads, group, dim] over k, v [L, kv_heads, dim]."""
+    scores = torch.einsum("hgd,lhd->hgl", q, k) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if window is not None:
+        scores[..., :max(0, k.shape[0] - window)] = float("-inf")
+    return torch.einsum("hgl,lhd->hgd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("group,dim,window,softcap", [
+    (3, 64, None, None), (1, 12, None, None), (4, 8, 7, None), (2, 20, None, 0.7), (3, 8, 5, 2.0)])
+def test_matches_dense_attention_over_scattered_pools(group, dim, window, softcap):
+    lib = native_kernel()
+    gen = torch.Generator().manual_seed(group * dim)
+    heads, chunk, capacity, layers = 2, 16, 9, 2
+    lens = [1, 5, 16, 17, 40, 33, 48]
+    chunks = -(-max(lens) // chunk)
+    pools = [[torch.randn(2, capacity, heads, chunk, dim, generator=gen) * 2
+              for _ in range(chunks)] for _ in range(layers)]
+    # Each sequence's slot in each chunk: distinct per chunk, in no particular order.
+    slots = torch.stack([torch.randperm(capacity, generator=gen)[:len(lens)]
+                         for _ in range(chunks)], dim=1)
+    q = torch.randn(len(lens), heads, group, dim, generator=gen)
+    scaling = dim**-0.5
+    for layer in range(layers):
+        pointers = torch.tensor([[p.data_ptr() + i * p.stride(0) * 4 for p in pools[layer]]
+                                 for i in (0, 1)])
+        out = decode_attention(lib, q, pointers, slots, torch.tensor(lens), chunk, max(lens),
+                               scaling, window, softcap)
+        for b, length in enumerate(lens):
+            k, v = (torch.cat([pools[layer][c][i, slots[b, c]].transpose(0, 1)
+                               for c in range(chunks)])[:length] for i in (0, 1))
+            torch.testing.assert_close(out[b], _dense(q[b], k, v, scaling, window, softcap),
+                                       atol=1e-5, rtol=1e-5)
