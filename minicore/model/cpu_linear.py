@@ -1,52 +1,69 @@
-"""Linear layers of float32 CPU models at decode batch sizes, computed as ``(W @ x^T)^T``.
+"""Linear layers of float32 CPU models at decode batch sizes: the native kernel for the fewest
+rows, else ``(W @ x^T)^T``.
 
 vLLM's CPU backend routes its linear layers through its own GEMM dispatch
 (``vllm/model_executor/layers/utils.py`` ``dispatch_cpu_unquantized_gemm``, oneDNN on
 pre-packed weights). On torch's MKL build, eager ``F.linear`` with few rows (a decode step:
 one row per sequence) spreads poorly over the threads: the LM head of SmolLM2-135M takes 20 ms
 for 16 rows on two AVX2 cores, and the same product with the operands swapped, one sgemm over
-the weight's long side, 13 ms (27 vs 33 ms at 64 rows; 10-35% on the layers' own shapes). Past
-~128 rows (prefill) the swapped product loses, so it is used for 12..128 rows only: below 12,
-MKL's small-batch kernels round ``F.linear`` differently, and inside the range the two results are
-equal bit for bit (so greedy outputs match transformers' exactly). The product comes out
-transposed: the MLP's gate/up projections hand it on as a view (their product feeds down_proj,
-which then gets its ``x^T`` contiguous for free); every other output is copied back to row-major,
-which attention, the residual adds and the sampler want (leaving all of them strided measured
-slower). MKL-packed weights
-(``torch.ops.mkl._mkl_linear``, inductor's freezing path) measured no faster than either.
-Left out: bfloat16 (oneDNN) and quantized weights.
+the weight's long side, 13 ms (27 vs 33 ms at 64 rows; 10-35% on the layers' own shapes). Up to
+32 rows, native.py's kernel (``csrc/linear.c``), which reads each weight once without MKL's
+per-call packing, is faster still: at 16 rows the layers of a step take ~36 ms against ~59
+(LM head 7.6 against 14), and a decode step of 16 sequences 68 ms against 91. Its sums run in
+another order than MKL's, so its outputs are a few ulps from ``F.linear``'s (the greedy parity
+tests hold). From 12 to 128 rows without it, and from 33 to 128 with it, the swapped product is
+used: there its results equal ``F.linear``'s bit for bit (below 12 rows MKL's small-batch
+kernels round ``F.linear`` differently); past ~128 rows (prefill) it loses. The swapped product
+comes out transposed: the MLP's gate/up projections hand it on as a view (their product feeds
+down_proj, which then gets its ``x^T`` contiguous for free); every other output is copied back
+to row-major, which attention, the residual adds and the sampler want (leaving all of them
+strided measured slower). MKL-packed weights (``torch.ops.mkl._mkl_linear``, inductor's
+freezing path) measured no faster than either. Left out: bfloat16 (oneDNN) and quantized
+weights.
 """
+
+import ctypes
 
 import torch
 import torch.nn.functional as F
 
-# Rows (tokens) for which the swapped product is used; see the module docstring.
-MIN_ROWS, MAX_ROWS = 12, 128
+from minicore.model.native import linear
+
+# Rows (tokens) for which the swapped product is used, and up to which the native kernel is;
+# see the module docstring.
+MIN_ROWS, MAX_ROWS, MAX_KERNEL_ROWS = 12, 128, 32
 
 
-def use_cpu_linear(model: torch.nn.Module) -> int:
+def use_cpu_linear(model: torch.nn.Module, kernels: ctypes.CDLL | None = None) -> int:
     """Swap the forward of each float32 ``nn.Linear`` of a CPU model (the tied LM head
-    included); returns how many were swapped."""
+    included), with ``kernels`` (native.py) for the fewest rows; returns how many were
+    swapped."""
     swapped = 0
     for name, module in model.named_modules():
         if (type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
                 and module.weight.device.type == "cpu"):
             module.forward = _SwappedLinear(module.weight, module.bias,
-                                            name.endswith(("gate_proj", "up_proj")))
+                                            name.endswith(("gate_proj", "up_proj")), kernels)
             swapped += 1
     return swapped
 
 
 class _SwappedLinear:
-    """A module's forward: ``x @ weight.T + bias``, as ``(weight @ x^T)^T`` at decode sizes."""
+    """A module's forward: ``x @ weight.T + bias``, by the native kernel or as
+    ``(weight @ x^T)^T`` at decode sizes."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool):
-        self.weight, self.bias, self.transposed = weight, bias, transposed
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool,
+                 kernels: ctypes.CDLL | None):
+        self.weight, self.bias, self.transposed, self.kernels = weight, bias, transposed, kernels
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if (not MIN_ROWS <= rows.shape[0] <= MAX_ROWS or x.dtype != torch.float32
-                or torch.is_grad_enabled()):
+        if x.dtype != torch.float32 or torch.is_grad_enabled():
+            return F.linear(x, self.weight, self.bias)
+        if self.kernels is not None and rows.shape[0] <= MAX_KERNEL_ROWS:
+            out = linear(self.kernels, rows, self.weight, self.bias)
+            return out.view(*x.shape[:-1], out.shape[1])
+        if not MIN_ROWS <= rows.shape[0] <= MAX_ROWS:
             return F.linear(x, self.weight, self.bias)
         if self.bias is None:
             out = torch.mm(self.weight, rows.t())

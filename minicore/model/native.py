@@ -1,15 +1,17 @@
-"""minicore's one C kernel, CPU decode attention over the KV pools, built on first use.
+"""minicore's C kernels for float32 on CPU, built on first use: decode attention, small linears.
 
 vLLM's CPU backend ships compiled kernels (csrc/cpu, behind ``vllm/v1/attention/backends/
-cpu_attn.py``); torch has no decode attention that reads per-request rows at memory speed (its
-batched matmuls over decode's few query rows per KV head stream keys at ~15 GB/s where two AVX2
-cores stream 30). ``csrc/decode_attention.c`` holds the two passes (scores over the keys, the
-weighted sum of the values; the softmax between them stays in torch). It is compiled with the
-machine's C compiler (``$CC``, else ``cc``; ``-O3 -march=native -fopenmp``) into
-``$MINICORE_CACHE/kernels`` under a name keyed by source, flags and CPU, once per machine (~1 s),
-and loaded with ctypes. Its OpenMP runtime is the one torch already loaded (same soname), so its
-threads are torch's threads. Without a compiler, or if the build fails, decode attention stays in
-torch (decode_kv.py), with a warning. Left out: other dtypes than float32, other kernels.
+cpu_attn.py`` and ``vllm/model_executor/layers/utils.py``). torch has no decode attention that
+reads per-request rows at memory speed (its batched matmuls over decode's few query rows per KV
+head stream keys at ~15 GB/s where two AVX2 cores stream 30), and MKL repacks a whole weight on
+every product, which at decode's few rows costs as much as the product. ``csrc/`` holds the two
+(``decode_attention.c``: scores over the keys and the weighted sum of the values, the softmax
+between them staying in torch; ``linear.c``). They are compiled with the machine's C compiler
+(``$CC``, else ``cc``; ``-O3 -march=native -fopenmp``) into ``$MINICORE_CACHE/kernels`` under a
+name keyed by sources, flags and CPU, once per machine (~1 s), and loaded with ctypes. Their
+OpenMP runtime is the one torch already loaded (same soname), so their threads are torch's.
+Without a compiler, or if the build fails, both stay in torch, with a warning. Left out: other
+dtypes than float32.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from minicore.model.loader import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -39,25 +41,28 @@ _COMMON = [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I]
 
 
 @functools.cache
-def decode_attention_kernel() -> ctypes.CDLL | None:
-    """The compiled kernel (built now if this machine has none yet), or None where it cannot
+def native_kernels() -> ctypes.CDLL | None:
+    """The compiled kernels (built now if this machine has none yet), or None where they cannot
     be built."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
-        logger.warning("no C compiler: CPU decode attention runs on torch matmuls (slower)")
+        logger.warning("no C compiler: CPU decode attention and small linears run on torch "
+                       "(slower)")
         return None
-    path = default_cache_dir() / "kernels" / f"decode_attention-{_build_key(compiler)}.so"
+    path = default_cache_dir() / "kernels" / f"minicore-{_build_key(compiler)}.so"
     try:
         if not path.is_file():
             _build(compiler, path)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.CalledProcessError) as e:
-        logger.warning("building %s failed, decode attention runs on torch: %s", SOURCE.name,
+        logger.warning("building minicore's kernels failed, they run on torch: %s",
                        getattr(e, "stderr", None) or e)
         return None
     lib.decode_scores.argtypes = _COMMON + [_F, _F, _I64, _P, _I]
     lib.decode_values.argtypes = _COMMON + [_I64, _P, _I]
     lib.decode_scores.restype = lib.decode_values.restype = None
+    lib.linear_rows.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
+    lib.linear_rows.restype = _I
     return lib
 
 
@@ -66,7 +71,8 @@ def _build_key(compiler: str) -> str:
     one an -march=native build of another."""
     cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
     flags = next((line for line in cpu.splitlines() if line.startswith("flags")), "")
-    parts = [SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(), flags.encode()]
+    parts = [*(p.read_bytes() for p in SOURCES), " ".join(FLAGS).encode(), compiler.encode(),
+             flags.encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
@@ -76,7 +82,7 @@ def _build(compiler: str, path: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True,
+        subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], check=True,
                        capture_output=True, text=True)
         os.replace(tmp, path)
     finally:
@@ -103,4 +109,17 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, pointers: torch.Tensor,
     out = torch.empty_like(q)
     lib.decode_values(probs.data_ptr(), pointers[1].data_ptr(), slots.data_ptr(),
                       seq_lens.data_ptr(), *shape, window or 0, out.data_ptr(), threads)
+    return out
+
+
+def linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``x`` ``[rows, in]``, float32, all contiguous."""
+    x = x.contiguous()
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    status = lib.linear_rows(x.data_ptr(), weight.data_ptr(),
+                             None if bias is None else bias.data_ptr(), out.data_ptr(),
+                             x.shape[0], weight.shape[0], x.shape[1], torch.get_num_threads())
+    if status:
+        raise MemoryError("linear_rows: out of memory")
     return out

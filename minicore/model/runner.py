@@ -19,7 +19,7 @@ from minicore.model.attention import (AttentionMetadata, compute_logits, kv_cach
 from minicore.model.cpu_linear import use_cpu_linear
 from minicore.model.cpu_memory import keep_freed_memory
 from minicore.model.decode_kv import DecodeKVBuffers
-from minicore.model.native import decode_attention_kernel
+from minicore.model.native import native_kernels
 from minicore.model.sampler import (
     Penalties,
     SamplingMetadata,
@@ -53,7 +53,7 @@ class ModelRunner(ModelRunnerBase):
         use_paged_attention(model)
         if self.device.type == "cpu":
             keep_freed_memory()
-            use_cpu_linear(model)
+            use_cpu_linear(model, native_kernels())
         # The base model gives hidden states; the head runs only on sampling positions.
         self.base_model = model.base_model
         self.lm_head = model.get_output_embeddings()
@@ -61,7 +61,7 @@ class ModelRunner(ModelRunnerBase):
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         # Decode attention reads per-request rows instead of gathering blocks (CPU only: see
         # decode_kv.py), with the native kernel where it builds; None runs the gather.
-        self.decode_kv = (DecodeKVBuffers(self.kv_caches, kernel=decode_attention_kernel())
+        self.decode_kv = (DecodeKVBuffers(self.kv_caches, kernel=native_kernels())
                           if self.device.type == "cpu" else None)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens)", self.num_blocks,
                     self.block_size, (self.num_blocks - 1) * self.block_size)

@@ -1,5 +1,5 @@
-"""The CPU runner's process and layer settings: linear layers as (W @ x^T)^T
-(minicore/model/cpu_linear.py) and glibc keeping freed blocks (minicore/model/cpu_memory.py)."""
+"""The CPU runner's process and layer settings: linear layers as (W @ x^T)^T or by the native
+kernel (minicore/model/cpu_linear.py) and glibc keeping freed blocks (minicore/model/cpu_memory.py)."""
 
 import platform
 import subprocess
@@ -10,7 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minicore.model.cpu_linear import MAX_ROWS, MIN_ROWS, use_cpu_linear
+from test_native import native_kernel
+
+from minicore.model import native
+from minicore.model.cpu_linear import MAX_KERNEL_ROWS, MAX_ROWS, MIN_ROWS, use_cpu_linear
 
 
 def _model() -> torch.nn.Module:
@@ -48,6 +51,29 @@ def test_swapped_linear_equals_f_linear():
             swapped = MIN_ROWS <= rows <= MAX_ROWS
             assert model.gate_proj(x).is_contiguous() is not swapped
             assert model.head(x).is_contiguous() and down.is_contiguous()
+
+
+def test_native_kernel_takes_the_fewest_rows():
+    """With the kernels, up to MAX_KERNEL_ROWS rows go to native.linear (row-major, within a
+    few ulps of F.linear); more rows take the swapped product as without them."""
+    kernels = native_kernel()
+    model = _model()
+    weights = {name: (m.weight, m.bias) for name, m in model.named_children()}
+    use_cpu_linear(model, kernels)
+    with torch.inference_mode():
+        for rows in [1, 5, MAX_KERNEL_ROWS, MAX_KERNEL_ROWS + 1, 64]:
+            x = torch.randn(1, rows, 96)
+            for name in ("gate_proj", "down_proj", "head"):
+                w, b = weights[name]
+                x_in = x if name != "down_proj" else torch.randn(1, rows, 160)
+                out = getattr(model, name)(x_in)
+                assert out.shape == (1, rows, w.shape[0])
+                if rows <= MAX_KERNEL_ROWS:
+                    assert out.is_contiguous()
+                    assert torch.equal(out[0], native.linear(kernels, x_in[0], w, b))
+                    torch.testing.assert_close(out, F.linear(x_in, w, b), rtol=1e-5, atol=1e-5)
+                else:
+                    _same(out, F.linear(x_in, w, b))
 
 
 def test_swapped_linear_leaves_autograd_to_f_linear():

@@ -12,25 +12,25 @@ import pytest
 import torch
 
 from minicore.model import native
-from minicore.model.native import decode_attention, decode_attention_kernel
+from minicore.model.native import decode_attention, native_kernels
 
 
 def native_kernel():
     """The kernel, built on this machine; skips where there is no C compiler."""
     if shutil.which(os.environ.get("CC", "cc")) is None:
         pytest.skip("no C compiler on this machine")
-    lib = decode_attention_kernel()
+    lib = native_kernels()
     assert lib is not None, "a C compiler is here but the kernel did not build"
     return lib
 
 
 @pytest.fixture
 def fresh_build(tmp_path, monkeypatch):
-    """decode_attention_kernel() as in a new process, with an empty cache folder."""
+    """native_kernels() as in a new process, with an empty cache folder."""
     monkeypatch.setenv("MINICORE_CACHE", str(tmp_path))
-    decode_attention_kernel.cache_clear()
+    native_kernels.cache_clear()
     yield tmp_path / "kernels"
-    decode_attention_kernel.cache_clear()
+    native_kernels.cache_clear()
 
 
 def test_built_once_into_the_cache_folder(fresh_build):
@@ -38,21 +38,21 @@ def test_built_once_into_the_cache_folder(fresh_build):
     built = list(fresh_build.iterdir())
     assert [p.suffix for p in built] == [".so"]  # no temporary file left behind
     stamp = built[0].stat().st_mtime_ns
-    decode_attention_kernel.cache_clear()
-    assert decode_attention_kernel() is not None
+    native_kernels.cache_clear()
+    assert native_kernels() is not None
     assert [p.stat().st_mtime_ns for p in fresh_build.iterdir()] == [stamp]  # not rebuilt
 
 
 def test_no_compiler_or_failed_build_falls_back_with_a_warning(fresh_build, monkeypatch, caplog):
     monkeypatch.setenv("CC", "no-such-compiler")
     with caplog.at_level(logging.WARNING, logger=native.__name__):
-        assert decode_attention_kernel() is None
+        assert native_kernels() is None
     assert "no C compiler" in caplog.text
-    decode_attention_kernel.cache_clear()
+    native_kernels.cache_clear()
     monkeypatch.setenv("CC", "false")  # a "compiler" that fails
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger=native.__name__):
-        assert decode_attention_kernel() is None
+        assert native_kernels() is None
     assert "failed" in caplog.text
     assert not any(fresh_build.iterdir())
 
@@ -99,3 +99,20 @@ def test_matches_dense_attention_over_scattered_pools(group, dim, window, softca
                                for c in range(chunks)])[:length] for i in (0, 1))
             torch.testing.assert_close(out[b], _dense(q[b], k, v, scaling, window, softcap),
                                        atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows,out_features,in_features,bias", [
+    (1, 7, 5, True), (3, 64, 100, False), (8, 13, 576, True), (16, 1536, 576, False),
+    (17, 576, 1536, True), (32, 33, 64, False)])
+def test_linear_matches_f_linear(rows, out_features, in_features, bias):
+    """Any row count (full and partial blocks of 8 and 16), output sizes that are not a multiple
+    of 4, input sizes that are not a multiple of 8."""
+    lib = native_kernel()
+    gen = torch.Generator().manual_seed(rows * out_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    w = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
+    b = torch.randn(out_features, generator=gen) if bias else None
+    out = native.linear(lib, x, w, b)
+    assert out.shape == (rows, out_features) and out.is_contiguous()
+    # float32 sums of a few hundred terms in another order than MKL's: a few ulps apart.
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)

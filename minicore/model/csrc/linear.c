@@ -1,0 +1,76 @@
+/* Linear layers of float32 CPU models at decode batch sizes: out = x W^T (+ bias) for a few rows
+ * of x, reading each weight once, in place (no packing: MKL packs the whole weight on every call,
+ * which at 16 rows costs as much as the product). Built and loaded by minicore/model/native.py;
+ * used by minicore/model/cpu_linear.py. */
+#include <stdint.h>
+#include <stdlib.h>
+
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+
+/* Load into a register: left to itself the compiler folds each load into every multiply-add
+ * that uses it, and the loads, not the multiply-adds, then bound the loop. */
+static inline v8 load(const float *p) {
+    v8 x = *(const v8 *)p;
+#if defined(__x86_64__)
+    __asm__("" : "+x"(x));
+#endif
+    return x;
+}
+
+/* Rows n0..n0+3 (w0..w3) of the output for x's rows [m0, m0 + 16) (or 8 when one = 1), from xt,
+ * x transposed and padded to mp columns. */
+static inline void block(const float *xt, int mp, int m0, int one, const float *w0,
+                         const float *w1, const float *w2, const float *w3, int k_len,
+                         v8 acc[2][4]) {
+    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+    const float *xk = xt + m0;
+    if (one) {
+        for (int k = 0; k < k_len; k++, xk += mp) {
+            v8 x0 = load(xk);
+            a0 += w0[k] * x0; a1 += w1[k] * x0; a2 += w2[k] * x0; a3 += w3[k] * x0;
+        }
+    } else {
+        for (int k = 0; k < k_len; k++, xk += mp) {
+            v8 x0 = load(xk), x1 = load(xk + 8);
+            a0 += w0[k] * x0; b0 += w0[k] * x1;
+            a1 += w1[k] * x0; b1 += w1[k] * x1;
+            a2 += w2[k] * x0; b2 += w2[k] * x1;
+            a3 += w3[k] * x0; b3 += w3[k] * x1;
+        }
+    }
+    acc[0][0] = a0; acc[0][1] = a1; acc[0][2] = a2; acc[0][3] = a3;
+    acc[1][0] = b0; acc[1][1] = b1; acc[1][2] = b2; acc[1][3] = b3;
+}
+
+/* out[m, n] = bias[n] + sum over k of x[m, k] w[n, k]; x [m_len, k_len], w [n_len, k_len] and out
+ * [m_len, n_len] row-major; bias may be NULL. Returns 0, or -1 if out of memory. */
+int linear_rows(const float *x, const float *w, const float *bias, float *out, int m_len,
+                int n_len, int k_len, int threads) {
+    int mp = (m_len + 7) / 8 * 8;
+    float *xt = malloc(sizeof(float) * (size_t)k_len * mp);
+    if (!xt)
+        return -1;
+    for (int k = 0; k < k_len; k++)
+        for (int m = 0; m < mp; m++)
+            xt[(size_t)k * mp + m] = m < m_len ? x[(size_t)m * k_len + k] : 0.0f;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int n0 = 0; n0 < n_len; n0 += 4) {
+        int rows = n_len - n0 < 4 ? n_len - n0 : 4;
+        const float *w0 = w + (size_t)n0 * k_len;
+        /* Past the last row, repeat it: computed, never stored. */
+        const float *w1 = w0 + (rows > 1) * k_len, *w2 = w0 + (rows > 2) * 2 * k_len,
+                    *w3 = w0 + (rows > 3) * 3 * k_len;
+        for (int m0 = 0; m0 < mp; m0 += 16) {
+            int one = m0 + 8 >= mp;
+            v8 acc[2][4];
+            block(xt, mp, m0, one, w0, w1, w2, w3, k_len, acc);
+            for (int h = 0; h <= !one; h++)
+                for (int i = 0; i < 8 && m0 + 8 * h + i < m_len; i++)
+                    for (int r = 0; r < rows; r++)
+                        out[(size_t)(m0 + 8 * h + i) * n_len + n0 + r] =
+                            acc[h][r][i] + (bias ? bias[n0 + r] : 0.0f);
+        }
+    }
+    free(xt);
+    return 0;
+}
