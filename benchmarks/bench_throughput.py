@@ -13,10 +13,11 @@ and values over each token's context, the LM head for each sampled token), over 
 --dtype) matmul rate this script measures on the model's own layer shapes. Load time is that of
 the weights plus the engine (KV cache allocation included). --gather also runs minicore with decode
 attention gathering each sequence's KV blocks every step (the path before per-request KV rows,
-minicore/model/decode_kv.py), side by side.
+minicore/model/decode_kv.py), side by side; --torch-kernels also runs it with its C kernels off
+(minicore/model/native.py: decode attention and linear layers on torch only).
 
     python benchmarks/bench_throughput.py [--workloads uniform varied] [--num-prompts 64] \
-        [--device cpu] [--gather]
+        [--device cpu] [--gather] [--torch-kernels]
 """
 
 import argparse
@@ -34,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minicore.llm import LLM  # noqa: E402
 from minicore.model.attention import attn_implementation  # noqa: E402
+from minicore.model.cpu_linear import use_cpu_linear  # noqa: E402
 from minicore.model.loader import load_model  # noqa: E402
 from minicore.sampling_params import SamplingParams  # noqa: E402
 
@@ -129,6 +131,8 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     ap.add_argument("--gather", action="store_true",
                     help="also time minicore with the gather decode attention")
+    ap.add_argument("--torch-kernels", action="store_true",
+                    help="also time minicore with its C kernels off (CPU)")
     ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "bench_throughput.json"))
     args = ap.parse_args()
 
@@ -149,17 +153,25 @@ def main() -> None:
         num_out = sum(o for _, o in work)
         run_minicore(llm, work[:4])  # warm-up
         t_mini = run_minicore(llm, work)
-        gather_tok_s = None
+        gather_tok_s = torch_tok_s = None
+        # Other prompts of the same lengths: the first run's are in the prefix cache.
+        other = make_workload(name, args.num_prompts, cfg.vocab_size, seed=1)
         if args.gather:
-            # Other prompts of the same lengths: the first run's are in the prefix cache.
             decode_kv, runner.decode_kv = runner.decode_kv, None
-            other = make_workload(name, args.num_prompts, cfg.vocab_size, seed=1)
             gather_tok_s = sum(o for _, o in other) / run_minicore(llm, other)
             runner.decode_kv = decode_kv
+        if args.torch_kernels and runner.decode_kv is not None:
+            kernels, runner.decode_kv.kernel = runner.decode_kv.kernel, None
+            use_cpu_linear(model)
+            third = make_workload(name, args.num_prompts, cfg.vocab_size, seed=2)
+            torch_tok_s = sum(o for _, o in third) / run_minicore(llm, third)
+            runner.decode_kv.kernel = kernels
+            use_cpu_linear(model, kernels)
         t_hf = reference.submit(run_transformers, work, args.dtype, args.device).result()
         flops = matmul_flops(cfg, work)
         rows.append({"workload": name, "num_prompts": len(work), "output_tokens": num_out,
                      "minicore_s": t_mini, "transformers_s": t_hf, "gather_tok_s": gather_tok_s,
+                     "torch_kernels_tok_s": torch_tok_s,
                      "minicore_tok_s": num_out / t_mini, "transformers_tok_s": num_out / t_hf,
                      "speedup": t_hf / t_mini, "roofline_fraction": flops / t_mini / rate})
     print(f"device {device}, {dtype}, torch threads {torch.get_num_threads()}, "
@@ -169,7 +181,9 @@ def main() -> None:
     for r in rows:
         print(f"{r['workload']:10} {r['output_tokens']:>10} {r['minicore_tok_s']:>15.1f} "
               f"{r['transformers_tok_s']:>19.1f} {r['speedup']:>6.2f} {r['roofline_fraction']:>8.0%}"
-              + (f"  gather: {r['gather_tok_s']:.1f} tok/s" if r["gather_tok_s"] else ""))
+              + (f"  gather: {r['gather_tok_s']:.1f} tok/s" if r["gather_tok_s"] else "")
+              + (f"  torch kernels: {r['torch_kernels_tok_s']:.1f} tok/s"
+                 if r["torch_kernels_tok_s"] else ""))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"device": str(device), "dtype": str(dtype),
                                            "threads": torch.get_num_threads(), "load_s": load_s,
