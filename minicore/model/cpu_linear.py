@@ -59,7 +59,9 @@ class _SwappedLinear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool,
                  kernels: ctypes.CDLL | None):
-        self.weight, self.bias, self.transposed, self.kernels = weight, bias, transposed, kernels
+        self.weight, self.bias, self.transposed = weight, bias, transposed
+        # The kernel reads the weight's storage as row-major.
+        self.kernels = kernels if weight.is_contiguous() else None
         out_features, in_features = weight.shape
         self.kernel_rows = MAX_ROWS if out_features >= WIDE * in_features else MAX_KERNEL_ROWS
 

@@ -114,8 +114,10 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, pointers: torch.Tensor,
 
 def linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``x`` ``[rows, in]``, float32, all contiguous."""
-    x = x.contiguous()
+    """``x @ weight.T + bias`` for ``x`` ``[rows, in]``, float32, ``weight`` contiguous."""
+    if not weight.is_contiguous():
+        raise ValueError("linear: the weight must be contiguous (row-major)")
+    x, bias = x.contiguous(), None if bias is None else bias.contiguous()
     out = x.new_empty(x.shape[0], weight.shape[0])
     status = lib.linear_rows(x.data_ptr(), weight.data_ptr(),
                              None if bias is None else bias.data_ptr(), out.data_ptr(),

@@ -79,6 +79,17 @@ def test_native_kernel_takes_the_fewest_rows():
                     _same(out, F.linear(x_in, w, b))
 
 
+def test_native_kernel_skips_a_non_contiguous_weight():
+    layer = torch.nn.Linear(96, 64, bias=False)
+    layer.weight = torch.nn.Parameter(torch.randn(96, 64).t())  # column-major storage
+    use_cpu_linear(layer, native_kernel())
+    x = torch.randn(4, 96)
+    with torch.inference_mode():
+        _same(layer(x), F.linear(x, layer.weight))
+    with pytest.raises(ValueError, match="contiguous"):
+        native.linear(native_kernel(), x, layer.weight, None)
+
+
 def test_swapped_linear_leaves_autograd_to_f_linear():
     model = _model()
     use_cpu_linear(model)
