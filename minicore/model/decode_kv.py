@@ -25,9 +25,8 @@ memory and has nothing to spare.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import ctypes
+from dataclasses import dataclass
 
 import torch
 

@@ -24,6 +24,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -82,9 +83,12 @@ def _build(compiler: str, path: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
+        start = time.perf_counter()
         subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], check=True,
                        capture_output=True, text=True)
         os.replace(tmp, path)
+        logger.info("built minicore's CPU kernels in %.1f s: %s", time.perf_counter() - start,
+                    path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -24,6 +24,11 @@ static inline float dot(const float *a, const float *b, int n) {
     return s;
 }
 
+/* First position attended to: len - window with a sliding window, else 0. */
+static inline int64_t window_start(int64_t len, int64_t window) {
+    return window > 0 && len > window ? len - window : 0;
+}
+
 /* The positions [start, end) of request b that lie in chunk c, and where the first one's row of
  * head h is in that chunk's pool ([slots, heads, chunk, dim]). */
 typedef struct {
@@ -51,7 +56,7 @@ void decode_scores(const float *q, const int64_t *key_pools, const int64_t *slot
 #pragma omp parallel for schedule(dynamic, 4) num_threads(threads)
     for (int bh = 0; bh < batch * heads; bh++) {
         int b = bh / heads, h = bh % heads;
-        int64_t len = seq_lens[b], first = window > 0 && len > window ? len - window : 0;
+        int64_t len = seq_lens[b], first = window_start(len, window);
         const float *qb = q + (int64_t)bh * group * dim;
         float *out = scores + (int64_t)bh * group * max_len;
         for (int64_t i = 0; i < (int64_t)group * max_len; i++)
@@ -77,7 +82,7 @@ void decode_values(const float *probs, const int64_t *value_pools, const int64_t
 #pragma omp parallel for schedule(dynamic, 4) num_threads(threads)
     for (int bh = 0; bh < batch * heads; bh++) {
         int b = bh / heads, h = bh % heads;
-        int64_t len = seq_lens[b], first = window > 0 && len > window ? len - window : 0;
+        int64_t len = seq_lens[b], first = window_start(len, window);
         const float *pb = probs + (int64_t)bh * group * max_len;
         float *ob = out + (int64_t)bh * group * dim;
         memset(ob, 0, sizeof(float) * group * dim);
