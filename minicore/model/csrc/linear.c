@@ -11,7 +11,7 @@ typedef float v8 __attribute__((vector_size(32), aligned(4)));
  * that uses it, and the loads, not the multiply-adds, then bound the loop. */
 static inline v8 load(const float *p) {
     v8 x = *(const v8 *)p;
-#if defined(__x86_64__)
+#if defined(__AVX__)
     __asm__("" : "+x"(x));
 #endif
     return x;
