@@ -1,5 +1,6 @@
 """The CPU runner's process and layer settings: linear layers as (W @ x^T)^T or by the native
-kernel (minicore/model/cpu_linear.py) and glibc keeping freed blocks (minicore/model/cpu_memory.py)."""
+kernel (minicore/model/cpu_linear.py) and glibc keeping freed blocks
+(minicore/model/cpu_memory.py)."""
 
 import platform
 import subprocess
