@@ -9,7 +9,9 @@ for 16 rows on two AVX2 cores, and the same product with the operands swapped, o
 the weight's long side, 13 ms (27 vs 33 ms at 64 rows; 10-35% on the layers' own shapes). Up to
 32 rows, native.py's kernel (``csrc/linear.c``), which reads each weight once without MKL's
 per-call packing, is faster still: at 16 rows the layers of a step take ~36 ms against ~59
-(LM head 7.6 against 14), and a decode step of 16 sequences 68 ms against 91. Past 32 rows it
+(LM head 7.6 against 14), and a decode step of 16 sequences 68 ms against 91; from 2 to 12
+rows, where ``F.linear`` stays, it halves the layers' time. A single row stays on ``F.linear``
+(MKL's matrix-vector product, as fast, both bound by reading the weights). Past 32 rows it
 loses on most shapes (its copy of x no longer stays in cache), except on a layer much wider than
 deep, the LM head, where it wins up to 128 rows (22 against 27 ms, plus 3.5 for copying the
 swapped product's output back to row-major, at 64 rows). Its sums run in
@@ -32,9 +34,9 @@ import torch.nn.functional as F
 
 from minicore.model.native import linear
 
-# Rows (tokens) for which the swapped product is used, and up to which the native kernel is;
-# see the module docstring.
-MIN_ROWS, MAX_ROWS, MAX_KERNEL_ROWS = 12, 128, 32
+# Rows (tokens) for which the swapped product is used, and for which the native kernel is; see
+# the module docstring.
+MIN_ROWS, MAX_ROWS, MIN_KERNEL_ROWS, MAX_KERNEL_ROWS = 12, 128, 2, 32
 # Layers this many times wider than deep (an LM head) take the kernel up to MAX_ROWS.
 WIDE = 8
 
@@ -69,7 +71,7 @@ class _SwappedLinear:
         rows = x.reshape(-1, x.shape[-1])
         if x.dtype != torch.float32 or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
-        if self.kernels is not None and rows.shape[0] <= self.kernel_rows:
+        if self.kernels is not None and MIN_KERNEL_ROWS <= rows.shape[0] <= self.kernel_rows:
             out = linear(self.kernels, rows, self.weight, self.bias)
             return out.view(*x.shape[:-1], out.shape[1])
         if not MIN_ROWS <= rows.shape[0] <= MAX_ROWS:

@@ -14,7 +14,14 @@ import torch.nn.functional as F
 from test_native import native_kernel
 
 from minicore.model import native
-from minicore.model.cpu_linear import MAX_KERNEL_ROWS, MAX_ROWS, MIN_ROWS, WIDE, use_cpu_linear
+from minicore.model.cpu_linear import (
+    MAX_KERNEL_ROWS,
+    MAX_ROWS,
+    MIN_KERNEL_ROWS,
+    MIN_ROWS,
+    WIDE,
+    use_cpu_linear,
+)
 
 
 def _model() -> torch.nn.Module:
@@ -55,9 +62,9 @@ def test_swapped_linear_equals_f_linear():
 
 
 def test_native_kernel_takes_the_fewest_rows():
-    """With the kernels, up to MAX_KERNEL_ROWS rows go to native.linear (row-major, within a
-    few ulps of F.linear), and up to MAX_ROWS for a layer WIDE times wider than deep (the head);
-    other rows take the swapped product as without them."""
+    """With the kernels, MIN_KERNEL_ROWS to MAX_KERNEL_ROWS rows go to native.linear (row-major,
+    within a few ulps of F.linear), up to MAX_ROWS for a layer WIDE times wider than deep (the
+    head); other rows take F.linear or the swapped product as without them."""
     kernels = native_kernel()
     model = _model()
     weights = {name: (m.weight, m.bias) for name, m in model.named_children()}
@@ -65,14 +72,14 @@ def test_native_kernel_takes_the_fewest_rows():
     head, gate = model.head.weight.shape, model.gate_proj.weight.shape
     assert head[0] >= WIDE * head[1] and gate[0] < WIDE * gate[1]
     with torch.inference_mode():
-        for rows in [1, 5, MAX_KERNEL_ROWS, MAX_KERNEL_ROWS + 1, 64, MAX_ROWS + 1]:
+        for rows in [1, MIN_KERNEL_ROWS, 5, MAX_KERNEL_ROWS, MAX_KERNEL_ROWS + 1, 64, MAX_ROWS + 1]:
             x = torch.randn(1, rows, 96)
             for name in ("gate_proj", "down_proj", "head"):
                 w, b = weights[name]
                 x_in = x if name != "down_proj" else torch.randn(1, rows, 160)
                 out = getattr(model, name)(x_in)
                 assert out.shape == (1, rows, w.shape[0])
-                if rows <= (MAX_ROWS if name == "head" else MAX_KERNEL_ROWS):
+                if MIN_KERNEL_ROWS <= rows <= (MAX_ROWS if name == "head" else MAX_KERNEL_ROWS):
                     assert out.is_contiguous()
                     assert torch.equal(out[0], native.linear(kernels, x_in[0], w, b))
                     torch.testing.assert_close(out, F.linear(x_in, w, b), rtol=1e-5, atol=1e-5)
