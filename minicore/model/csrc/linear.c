@@ -7,6 +7,10 @@
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 
+/* Output rows (weight rows) per block: 6 rows by 16 columns of x keep 12 accumulators, the two
+ * loads of x and a broadcast in the 16 AVX registers. */
+#define ROWS 6
+
 /* Load into a register: left to itself the compiler folds each load into every multiply-add
  * that uses it, and the loads, not the multiply-adds, then bound the loop. */
 static inline v8 load(const float *p) {
@@ -17,17 +21,19 @@ static inline v8 load(const float *p) {
     return x;
 }
 
-/* Rows n0..n0+3 (w0..w3) of the output for x's rows [m0, m0 + 16) (or 8 when one = 1), from xt,
- * x transposed and padded to mp columns. */
-static inline void block(const float *xt, int mp, int m0, int one, const float *w0,
-                         const float *w1, const float *w2, const float *w3, int k_len,
-                         v8 acc[2][4]) {
-    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+/* acc[h][r] = sum over k of w[r][k] * xt[k][m0 + 8h .. m0 + 8h + 8), for h < 2 (h < 1 when one),
+ * from xt, x transposed and padded to mp columns. */
+static inline void block(const float *xt, int mp, int m0, int one, const float *const *w,
+                         int k_len, v8 acc[2][ROWS]) {
+    const float *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3], *w4 = w[4], *w5 = w[5];
+    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0};
+    v8 b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0}, b4 = {0}, b5 = {0};
     const float *xk = xt + m0;
     if (one) {
         for (int k = 0; k < k_len; k++, xk += mp) {
             v8 x0 = load(xk);
-            a0 += w0[k] * x0; a1 += w1[k] * x0; a2 += w2[k] * x0; a3 += w3[k] * x0;
+            a0 += w0[k] * x0; a1 += w1[k] * x0; a2 += w2[k] * x0;
+            a3 += w3[k] * x0; a4 += w4[k] * x0; a5 += w5[k] * x0;
         }
     } else {
         for (int k = 0; k < k_len; k++, xk += mp) {
@@ -36,10 +42,14 @@ static inline void block(const float *xt, int mp, int m0, int one, const float *
             a1 += w1[k] * x0; b1 += w1[k] * x1;
             a2 += w2[k] * x0; b2 += w2[k] * x1;
             a3 += w3[k] * x0; b3 += w3[k] * x1;
+            a4 += w4[k] * x0; b4 += w4[k] * x1;
+            a5 += w5[k] * x0; b5 += w5[k] * x1;
         }
     }
-    acc[0][0] = a0; acc[0][1] = a1; acc[0][2] = a2; acc[0][3] = a3;
-    acc[1][0] = b0; acc[1][1] = b1; acc[1][2] = b2; acc[1][3] = b3;
+    v8 all[2][ROWS] = {{a0, a1, a2, a3, a4, a5}, {b0, b1, b2, b3, b4, b5}};
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < ROWS; r++)
+            acc[h][r] = all[h][r];
 }
 
 /* out[m, n] = bias[n] + sum over k of x[m, k] w[n, k]; x [m_len, k_len], w [n_len, k_len] and out
@@ -53,17 +63,18 @@ int linear_rows(const float *x, const float *w, const float *bias, float *out, i
     for (int k = 0; k < k_len; k++)
         for (int m = 0; m < mp; m++)
             xt[(size_t)k * mp + m] = m < m_len ? x[(size_t)m * k_len + k] : 0.0f;
+    int blocks = (n_len + ROWS - 1) / ROWS;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int n0 = 0; n0 < n_len; n0 += 4) {
-        int rows = n_len - n0 < 4 ? n_len - n0 : 4;
-        const float *w0 = w + (size_t)n0 * k_len;
-        /* Past the last row, repeat it: computed, never stored. */
-        const float *w1 = w0 + (rows > 1) * k_len, *w2 = w0 + (rows > 2) * 2 * k_len,
-                    *w3 = w0 + (rows > 3) * 3 * k_len;
+    for (int nb = 0; nb < blocks; nb++) {
+        int n0 = nb * ROWS, rows = n_len - n0 < ROWS ? n_len - n0 : ROWS;
+        /* A last block's missing rows read its first row: computed, never stored. */
+        const float *rows_w[ROWS];
+        for (int r = 0; r < ROWS; r++)
+            rows_w[r] = w + (size_t)(n0 + (r < rows ? r : 0)) * k_len;
         for (int m0 = 0; m0 < mp; m0 += 16) {
             int one = m0 + 8 >= mp;
-            v8 acc[2][4];
-            block(xt, mp, m0, one, w0, w1, w2, w3, k_len, acc);
+            v8 acc[2][ROWS];
+            block(xt, mp, m0, one, rows_w, k_len, acc);
             for (int h = 0; h <= !one; h++)
                 for (int i = 0; i < 8 && m0 + 8 * h + i < m_len; i++)
                     for (int r = 0; r < rows; r++)
