@@ -8,7 +8,7 @@ every product, which at decode's few rows costs as much as the product. ``csrc/`
 (``decode_attention.c``: scores over the keys and the weighted sum of the values, the softmax
 between them staying in torch; ``linear.c``). They are compiled with the machine's C compiler
 (``$CC``, else ``cc``; ``-O3 -march=native -fopenmp``) into ``$MINICORE_CACHE/kernels`` under a
-name keyed by sources, flags and CPU, once per machine (~1 s), and loaded with ctypes. Their
+name keyed by sources, flags and CPU, once per machine (~2 s), and loaded with ctypes. Their
 OpenMP runtime is the one torch already loaded (same soname), so their threads are torch's.
 Without a compiler, or if the build fails, both stay in torch, with a warning. Left out: other
 dtypes than float32.
@@ -101,7 +101,9 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, pointers: torch.Tensor,
     lengths ``seq_lens`` (``[B]`` int64), whose positions ``[c * chunk_size, ...)`` lie in slot
     ``slots[b, c]`` of the pools whose addresses are ``pointers`` (``[2, chunks]``: keys, values;
     each pool ``[slots, kv_heads, chunk_size, dim]``)."""
+    # What the kernel reads as float32 / int64 arrays (no copies in the runner's use).
     q = q.contiguous()
+    slots, seq_lens = (t.to(torch.int64).contiguous() for t in (slots, seq_lens))
     batch, heads, group, dim = q.shape
     threads = torch.get_num_threads()
     shape = (batch, heads, group, dim, chunk_size, slots.shape[1], max_len)
