@@ -9,6 +9,7 @@ serve: setup
 	$(PY) -m minicore serve $(ARGS)
 
 test: setup
+	$(PY) -m ruff check minicore tests benchmarks examples
 	$(PY) -m pytest $(ARGS)
 
 bench: setup

@@ -8,7 +8,8 @@ import os
 import re
 import sys
 
-from minicore.config import add_engine_cli_args, create_engine_config, engine_kwargs_from_cli
+from minicore.config import create_engine_config
+from minicore.engine.arg_utils import add_engine_cli_args, engine_kwargs_from_cli
 from minicore.dp.sim_report import add_simulate_args, simulate_main
 from minicore.logger import configure_logging
 

@@ -15,11 +15,8 @@ run time get no flag:
   processes start, so that every process reads the same files.
 """
 
-import argparse
-import json
-from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
-from types import NoneType, UnionType
-from typing import Any, Literal, get_args, get_origin
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, get_args
 
 from minicore.arg_utils import (
     check_generation_config,
@@ -122,14 +119,6 @@ class CacheConfig:
     gpu_memory_utilization: float = _flag(
         0.9, "the fraction of the GPU's memory the engine may use on CUDA; the KV cache gets what "
              "the profiling forward leaves over")
-    # vLLM keeps it in VllmConfig; here in the cache's config, whose blocks it moves, so that
-    # the flag is generated with the others (EngineConfig.kv_transfer_config reads it).
-    kv_transfer_config: KVTransferConfig | None = _flag(
-        None, "run a KV connector for prefill/decode disaggregation, as vLLM's flag: "
-              '\'{"kv_connector": "NixlConnector", "kv_role": "kv_both"}\' (kv_role: kv_producer, '
-              "kv_consumer or kv_both; kv_connector_extra_config: side_channel_host, "
-              "side_channel_port, abort_request_timeout)")
-
     def __post_init__(self):
         if self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
@@ -289,6 +278,8 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    # Prefill/decode disaggregation's settings, kept in their own record (vLLM: VllmConfig's).
+    kv_transfer_config: KVTransferConfig | None = None
 
     def __post_init__(self):
         if self.scheduler_config.balance_scheduling and self.parallel_config.data_parallel_size < 2:
@@ -298,13 +289,9 @@ class EngineConfig:
             raise ValueError("the simulated runner has no experts to shard: "
                              "--enable-expert-parallel needs --runner transformers")
 
-    @property
-    def kv_transfer_config(self) -> KVTransferConfig | None:
-        return self.cache_config.kv_transfer_config
-
 
 # EngineConfig's sub-configs, with the titles of their flags' --help groups.
-_SUB_CONFIGS = (("model_config", ModelConfig, "model"),
+SUB_CONFIGS = (("model_config", ModelConfig, "model"),
                 ("scheduler_config", SchedulerConfig, "scheduler"),
                 ("cache_config", CacheConfig, "cache"),
                 ("parallel_config", ParallelConfig, "data parallel"))
@@ -315,80 +302,10 @@ def create_engine_config(**kwargs) -> EngineConfig:
     the sub-config that has a field of that name. scheduling_policy is vLLM's name for policy."""
     if "scheduling_policy" in kwargs:
         kwargs["policy"] = kwargs.pop("scheduling_policy")
-    parts = {}
-    for name, cls, _ in _SUB_CONFIGS:
+    parts = {"kv_transfer_config": kwargs.pop("kv_transfer_config", None)}
+    for name, cls, _ in SUB_CONFIGS:
         names = {f.name for f in fields(cls)}
         parts[name] = cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
     if kwargs:
         raise TypeError(f"unknown engine argument(s): {', '.join(sorted(kwargs))}")
     return EngineConfig(**parts)
-
-
-# ---- the command line ------------------------------------------------------------------------
-
-def add_engine_cli_args(parser: argparse.ArgumentParser,
-                        exclude: tuple[str, ...] = ()) -> dict[str, argparse._ArgumentGroup]:
-    """Add one flag per user-facing field of the sub-configs, grouped by sub-config, as
-    vllm/engine/arg_utils.py EngineArgs.add_cli_args does: type, choices and default from the
-    field, --help from its metadata. exclude: field names or group titles to leave out. Returns
-    the groups by title, for a command's own flags that belong in one."""
-    groups = {title: parser.add_argument_group(title)
-              for _, _, title in _SUB_CONFIGS if title not in exclude}
-    for f, title in _cli_fields(exclude):
-        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
-        groups[title].add_argument(flag, *f.metadata.get("aliases", ()), **_flag_kwargs(f))
-    return groups
-
-
-def engine_kwargs_from_cli(args: argparse.Namespace, exclude: tuple[str, ...] = ()) -> dict:
-    """create_engine_config's keyword arguments from a namespace parsed with the flags of
-    add_engine_cli_args(parser, exclude) (vLLM: EngineArgs.from_cli_args)."""
-    return {f.name: getattr(args, f.name) for f, _ in _cli_fields(exclude)}
-
-
-def _cli_fields(exclude: tuple[str, ...]):
-    """(field, group title) of every field with a flag, less those excluded."""
-    for _, cls, title in _SUB_CONFIGS:
-        for f in fields(cls):
-            group = f.metadata.get("group", title)
-            if f.metadata.get("cli", True) and f.name not in exclude and group not in exclude:
-                yield f, group
-
-
-def _flag_kwargs(f: Field) -> dict:
-    """add_argument's keywords for a field, from its annotation and default."""
-    default = f.default_factory() if f.default is MISSING else f.default
-    kwargs = {"dest": f.name, "default": default, "help": f.metadata["help"]}
-    if default is not None and not is_dataclass(default):  # the help says what None stands for
-        kwargs["help"] += " (default: %(default)s)"
-    kind = f.type
-    if isinstance(kind, UnionType):  # X | None: None is a default, not a value to type in
-        kind = next(t for t in get_args(kind) if t is not NoneType)
-    if kind is bool:  # --flag and --no-flag, so that either overrides the default
-        return kwargs | {"action": argparse.BooleanOptionalAction}
-    if is_dataclass(kind):
-        return kwargs | {"type": _json_dataclass(kind), "metavar": "JSON"}
-    if get_origin(kind) is Literal:
-        return kwargs | {"choices": get_args(kind)}
-    return kwargs | {"type": f.metadata.get("type", kind)}
-
-
-def _json_dataclass(cls: type):
-    """A flag type that reads a JSON object into cls, with the bad key or value named (vLLM
-    parses its config-valued flags from JSON too)."""
-    names = [f.name for f in fields(cls)]
-
-    def parse(text: str):
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise argparse.ArgumentTypeError(f"not JSON ({e}): {text}") from None
-        if not isinstance(value, dict) or not set(value) <= set(names):
-            raise argparse.ArgumentTypeError(
-                f"expected a JSON object with keys among {', '.join(names)}, got {text}")
-        try:
-            return cls(**value)
-        except (TypeError, ValueError) as e:  # TypeError: a value that is not a number
-            raise argparse.ArgumentTypeError(str(e)) from None
-
-    return parse

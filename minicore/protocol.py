@@ -28,8 +28,18 @@ from typing import Any
 
 import msgspec
 
-from minicore.request import FinishReason
 from minicore.sampling_params import SamplingParams
+
+class FinishReason(enum.IntEnum):
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    # The engine refused the request (vLLM: a request that failed for itself alone).
+    ERROR = 3
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
 
 # Sent as a raw frame (not msgpack) on the output socket when the engine dies of a fatal error.
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"

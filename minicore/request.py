@@ -1,28 +1,15 @@
 """Request: one generation request as the scheduler sees it.
 
-Mirrors vllm/v1/request.py (Request, RequestStatus) and FinishReason from vllm/v1/engine/__init__.py.
+Mirrors vllm/v1/request.py (Request, RequestStatus); FinishReason is a wire record, in
+minicore/protocol.py as in vllm/v1/engine/__init__.py.
 Left out: multimodal inputs, LoRA, structured output, speculative tokens.
 """
 
 import enum
 import time
-from typing import TYPE_CHECKING
 
+from minicore.protocol import EngineCoreEvent, EngineCoreRequest, FinishReason, LogprobsLists
 from minicore.sampling_params import SamplingParams
-
-if TYPE_CHECKING:  # the wire records import this module
-    from minicore.protocol import EngineCoreEvent, EngineCoreRequest, LogprobsLists
-
-
-class FinishReason(enum.IntEnum):
-    STOP = 0
-    LENGTH = 1
-    ABORT = 2
-    # The engine refused the request (vLLM: a request that failed for itself alone).
-    ERROR = 3
-
-    def __str__(self) -> str:
-        return self.name.lower()
 
 
 class RequestStatus(enum.IntEnum):
@@ -99,10 +86,10 @@ class Request:
         self.num_prompt_logprobs_sent = 0
         # QUEUED / SCHEDULED / PREEMPTED events the scheduler records, until the request's next
         # output takes them (vLLM: record_event, take_events).
-        self.events: list["EngineCoreEvent"] = []
+        self.events: list[EngineCoreEvent] = []
 
     @classmethod
-    def from_engine_core_request(cls, request: "EngineCoreRequest") -> "Request":
+    def from_engine_core_request(cls, request: EngineCoreRequest) -> "Request":
         return cls(request.request_id, request.prompt_token_ids, request.sampling_params,
                    request.eos_token_id, request.arrival_time, request.priority,
                    request.cache_salt)
@@ -112,7 +99,7 @@ class Request:
         """vLLM's: a prefix-cache hit would skip the prompt positions whose logprobs it asked for."""
         return self.sampling_params.prompt_logprobs is not None
 
-    def take_new_prompt_logprobs(self, chunk: "LogprobsLists", start: int) -> "LogprobsLists | None":
+    def take_new_prompt_logprobs(self, chunk: LogprobsLists, start: int) -> LogprobsLists | None:
         """The part of chunk (the logprobs of prompt positions start, start + 1, ...) not sent
         yet; None if it was all sent before the request was preempted and recomputed."""
         end = start + len(chunk.sampled_token_ranks)
@@ -138,7 +125,7 @@ class Request:
         self.all_token_ids.append(token_id)
         self.num_tokens += 1
 
-    def take_events(self) -> "list[EngineCoreEvent] | None":
+    def take_events(self) -> list[EngineCoreEvent] | None:
         if not self.events:
             return None
         events, self.events = self.events, []

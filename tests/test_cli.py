@@ -12,8 +12,8 @@ import pytest
 
 import minicore.__main__ as cli
 from minicore.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
-                             SchedulerConfig, SimulatedCost, create_engine_config,
-                             engine_kwargs_from_cli)
+                             SchedulerConfig, SimulatedCost, create_engine_config)
+from minicore.engine.arg_utils import engine_kwargs_from_cli
 
 CONFIGS = (ModelConfig, SchedulerConfig, CacheConfig, ParallelConfig)
 RUNTIME_FIELDS = {"num_blocks", "data_parallel_rank"}

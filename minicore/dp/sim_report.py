@@ -15,8 +15,8 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from minicore.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, \
-    add_engine_cli_args
+from minicore.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from minicore.engine.arg_utils import add_engine_cli_args
 from minicore.dp.simulator import CostModel, DPSimulator, SimConfig, SimRequest, StepRecord, \
     make_random_workload
 
@@ -43,7 +43,7 @@ def add_simulate_args(parser: argparse.ArgumentParser) -> None:
     parser.epilog = f"vllm-ascend PR #5212's experiment: python -m minicore simulate {EXPERIMENT}"
     exclude = tuple(f.name for cls in (ModelConfig, SchedulerConfig, CacheConfig, ParallelConfig)
                     for f in fields(cls) if f.name not in ENGINE_FLAGS)
-    engine = add_engine_cli_args(parser, exclude + ("model",))["scheduler"]
+    engine = add_engine_cli_args(parser, exclude + ("model", "kv_transfer_config"))["scheduler"]
     engine.add_argument("--max-model-len", type=int, default=None,
                         help="default: the longest request of the workload")
     engine.add_argument("--num-gpu-blocks-override", type=int, default=None,

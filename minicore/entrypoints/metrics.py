@@ -48,7 +48,7 @@ from prometheus_client.process_collector import ProcessCollector
 from minicore.config import CacheConfig, EngineConfig
 from minicore.engine.output_processor import RequestState
 from minicore.protocol import SchedulerStats
-from minicore.request import FinishReason
+from minicore.protocol import FinishReason
 
 logger = logging.getLogger("minicore.stats")
 

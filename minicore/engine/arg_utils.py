@@ -1,0 +1,100 @@
+"""The engine's command-line flags, made from the config records' fields.
+
+Mirrors EngineArgs.add_cli_args and EngineArgs.from_cli_args in vllm/engine/arg_utils.py: one
+flag per user-facing field of minicore/config.py's sub-configs, grouped by sub-config, with type,
+choices and default from the field and --help from its metadata, so every default is written once,
+in the records. --kv-transfer-config (prefill/decode disaggregation) is the one flag of a record
+outside the sub-configs. Left out: vLLM's EngineArgs dataclass (the flat keyword arguments go
+straight to create_engine_config), config files (--config), deprecation notices.
+"""
+
+import argparse
+import json
+from dataclasses import MISSING, Field, fields, is_dataclass
+from types import NoneType, UnionType
+from typing import Literal, get_args, get_origin
+
+from minicore.config import SUB_CONFIGS
+from minicore.kv_transfer.config import KVTransferConfig
+
+KV_TRANSFER_HELP = (
+    "run a KV connector for prefill/decode disaggregation, as vLLM's flag: "
+    '\'{"kv_connector": "NixlConnector", "kv_role": "kv_both"}\' (kv_role: kv_producer, '
+    "kv_consumer or kv_both; kv_connector_extra_config: side_channel_host, side_channel_port, "
+    "abort_request_timeout)")
+
+
+def add_engine_cli_args(parser: argparse.ArgumentParser,
+                        exclude: tuple[str, ...] = ()) -> dict[str, argparse._ArgumentGroup]:
+    """Add one flag per user-facing field of the sub-configs, grouped by sub-config, as
+    vllm/engine/arg_utils.py EngineArgs.add_cli_args does: type, choices and default from the
+    field, --help from its metadata. exclude: field names or group titles to leave out. Returns
+    the groups by title, for a command's own flags that belong in one."""
+    groups = {title: parser.add_argument_group(title)
+              for _, _, title in SUB_CONFIGS if title not in exclude}
+    for f, title in _cli_fields(exclude):
+        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+        groups[title].add_argument(flag, *f.metadata.get("aliases", ()), **_flag_kwargs(f))
+    if "kv_transfer_config" not in exclude:
+        groups["KV transfer"] = parser.add_argument_group("KV transfer")
+        groups["KV transfer"].add_argument(
+            "--kv-transfer-config", dest="kv_transfer_config", default=None, metavar="JSON",
+            type=_json_dataclass(KVTransferConfig), help=KV_TRANSFER_HELP)
+    return groups
+
+
+def engine_kwargs_from_cli(args: argparse.Namespace, exclude: tuple[str, ...] = ()) -> dict:
+    """create_engine_config's keyword arguments from a namespace parsed with the flags of
+    add_engine_cli_args(parser, exclude) (vLLM: EngineArgs.from_cli_args)."""
+    kwargs = {f.name: getattr(args, f.name) for f, _ in _cli_fields(exclude)}
+    if "kv_transfer_config" not in exclude:
+        kwargs["kv_transfer_config"] = args.kv_transfer_config
+    return kwargs
+
+
+def _cli_fields(exclude: tuple[str, ...]):
+    """(field, group title) of every field with a flag, less those excluded."""
+    for _, cls, title in SUB_CONFIGS:
+        for f in fields(cls):
+            group = f.metadata.get("group", title)
+            if f.metadata.get("cli", True) and f.name not in exclude and group not in exclude:
+                yield f, group
+
+
+def _flag_kwargs(f: Field) -> dict:
+    """add_argument's keywords for a field, from its annotation and default."""
+    default = f.default_factory() if f.default is MISSING else f.default
+    kwargs = {"dest": f.name, "default": default, "help": f.metadata["help"]}
+    if default is not None and not is_dataclass(default):  # the help says what None stands for
+        kwargs["help"] += " (default: %(default)s)"
+    kind = f.type
+    if isinstance(kind, UnionType):  # X | None: None is a default, not a value to type in
+        kind = next(t for t in get_args(kind) if t is not NoneType)
+    if kind is bool:  # --flag and --no-flag, so that either overrides the default
+        return kwargs | {"action": argparse.BooleanOptionalAction}
+    if is_dataclass(kind):
+        return kwargs | {"type": _json_dataclass(kind), "metavar": "JSON"}
+    if get_origin(kind) is Literal:
+        return kwargs | {"choices": get_args(kind)}
+    return kwargs | {"type": f.metadata.get("type", kind)}
+
+
+def _json_dataclass(cls: type):
+    """A flag type that reads a JSON object into cls, with the bad key or value named (vLLM
+    parses its config-valued flags from JSON too)."""
+    names = [f.name for f in fields(cls)]
+
+    def parse(text: str):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not JSON ({e}): {text}") from None
+        if not isinstance(value, dict) or not set(value) <= set(names):
+            raise argparse.ArgumentTypeError(
+                f"expected a JSON object with keys among {', '.join(names)}, got {text}")
+        try:
+            return cls(**value)
+        except (TypeError, ValueError) as e:  # TypeError: a value that is not a number
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
