@@ -48,7 +48,7 @@ what minicore still deviates on (5, 6, max_len_prompt). --by-class [CLASSES] tak
 (default: all) as minicore's deviations and counts, for each, the traces that still diverge when
 vLLM emulates all the others: each class alone. The smallest example of each class found (not
 of pairs) is shrunk (fewer requests, steps and tokens, a smaller config) and printed as a Python
-snippet that drives minicore with tests/sched_helpers.py, with what vLLM did instead.
+snippet that drives minicore with minicore.testing, with what vLLM did instead.
 
 How to run (from the repository root, with minicore's own virtualenv):
     .venv/bin/python benchmarks/vllm_differential.py --setup    # once: ~2 min, 3.4 GB
@@ -985,7 +985,7 @@ def class_predicate(cls: str, emulate: frozenset, v, max_steps: int):
 # ---- repro output -------------------------------------------------------------------------------
 
 def repro_snippet(trace: Trace, emulate: frozenset, div: Divergence, cls: str) -> str:
-    """A Python snippet that drives minicore through the trace with tests/sched_helpers.py, up to
+    """A Python snippet that drives minicore through the trace with minicore.testing, up to
     the divergence, with what vLLM did there in a comment."""
     cfg = trace.cfg
     lines = [
@@ -995,8 +995,8 @@ def repro_snippet(trace: Trace, emulate: frozenset, div: Divergence, cls: str) -
         f"# First divergence at step {div.step}, {div.field}:",
         f"#   minicore: {div.minicore}",
         f"#   vLLM:     {div.vllm}",
-        "import sys; sys.path[:0] = ['.', 'tests']",
-        "from sched_helpers import make_request, make_scheduler, step",
+        "import sys; sys.path[:0] = ['.']",
+        "from minicore.testing import make_request, make_scheduler, step",
         "from minicore.request import RequestStatus",
         "s = make_scheduler(" + ", ".join(f"{k}={v!r}" for k, v in cfg.items()) + ")",
     ]
@@ -1016,11 +1016,12 @@ def repro_snippet(trace: Trace, emulate: frozenset, div: Divergence, cls: str) -
                 lines.append(f"s.finish_requests({ids!r}, RequestStatus.FINISHED_ABORTED)")
         quiet = next((m for m in range(n + 1, div.step) if m in event_steps), div.step) - n
         if quiet == 1:
-            lines.append(f"out, outputs = step(s, tokens)  # step {n + 1}")
+            lines.append(f"st = step(s, tokens)  # step {n + 1}")
         else:
             lines.append(f"for _ in range({quiet}):  # steps {n + 1}-{n + quiet}\n"
-                         f"    out, outputs = step(s, tokens)")
+                         f"    st = step(s, tokens)")
         n += quiet
+    lines.append("out, outputs = st.out, st.outputs")
     lines += SHOW.get(div.field.split("[")[0], [])
     return "\n".join(lines)
 

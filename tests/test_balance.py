@@ -5,10 +5,10 @@ while the gate is shut, and one count per DP rank. The gather itself is tested i
 tests/dp/test_group.py."""
 
 import pytest
-from sched_helpers import make_request, make_scheduler, step
 
 from minicore.config import SchedulerConfig
 from minicore.scheduler import BalanceScheduler
+from minicore.testing import make_request, make_scheduler, step
 
 
 def _balance(threshold=None, dp_size=2, max_num_seqs=4):
@@ -46,7 +46,7 @@ def test_gate(threshold, counts, admitted):
     s = _balance(threshold)
     s.balance_counts[:] = counts
     s.add_request(make_request("a", 4))
-    out, _ = step(s)
+    out = step(s).out
     if admitted:
         assert out.num_scheduled_tokens == {"a": 4}
         assert s.get_request_counts() == (1, 0)
@@ -67,7 +67,7 @@ def test_gate_with_one_slot_per_rank(threshold, counts, admitted):
     s = _balance(threshold, max_num_seqs=1)
     s.balance_counts[:] = counts
     s.add_request(make_request("a", 4))
-    out, _ = step(s)
+    out = step(s).out
     assert out.num_scheduled_tokens == ({"a": 4} if admitted else {})
 
 
@@ -76,7 +76,7 @@ def test_gate_is_checked_before_any_admission_not_per_request():
     s = _balance("one-short", max_num_seqs=4)
     for rid in "abcd":
         s.add_request(make_request(rid, 2))
-    out, _ = step(s)
+    out = step(s).out
     assert out.num_scheduled_tokens == {"a": 2, "b": 2, "c": 2, "d": 2}
 
 
@@ -84,16 +84,16 @@ def test_gate_is_checked_before_any_admission_not_per_request():
 def test_running_requests_still_scheduled_while_gated(threshold, counts):
     s = _balance(threshold)
     s.add_request(make_request("a", 4, max_tokens=5))
-    assert step(s)[0].num_scheduled_tokens == {"a": 4}
+    assert step(s).scheduled == {"a": 4}
     s.balance_counts[:] = counts
     s.add_request(make_request("b", 4))
-    out, eco = step(s)
-    assert out.num_scheduled_tokens == {"a": 1}
-    assert [o.request_id for o in eco] == ["a"]
+    st = step(s)
+    assert st.scheduled == {"a": 1}
+    assert [o.request_id for o in st.outputs] == ["a"]
     assert s.get_request_counts() == (1, 1)
 
 
 def test_plain_scheduler_has_no_gate():
     s = make_scheduler(max_num_seqs=4)
     s.add_request(make_request("a", 4))
-    assert step(s)[0].num_scheduled_tokens == {"a": 4}
+    assert step(s).scheduled == {"a": 4}

@@ -4,9 +4,9 @@ eviction of cached blocks, and reverse-order freeing to the tail of the LRU free
 import time
 
 import pytest
-from sched_helpers import free_ids, make_request, make_scheduler, num_free, step
 
 from minicore.scheduler import FreeKVCacheBlockQueue, KVCacheBlock
+from minicore.testing import free_ids, make_request, make_scheduler, num_free, step
 
 
 def _queue(n):
@@ -137,7 +137,7 @@ def test_freed_blocks_go_in_reverse_hashed_to_the_tail_others_to_the_head(prefix
     s = make_scheduler(num_blocks=6, block_size=4, enable_prefix_caching=prefix_caching)
     a = make_request("a", 12, max_tokens=1)
     s.add_request(a)
-    out, _ = step(s)
+    out = step(s).out
     assert out.num_scheduled_tokens == {"a": 12}
     assert a.is_finished()
     assert num_free(s) == 5
@@ -182,7 +182,7 @@ def test_freed_block_keeps_hash_and_is_still_hit():
 
     b = make_request("b", prompt, max_tokens=1)
     s.add_request(b)
-    out, _ = step(s)
+    out = step(s).out
     # hit blocks 1, 2 (8 tokens; max hit = (9-1)//4 = 2 blocks), 1 new block from the head (3)
     assert b.num_cached_tokens == 8
     assert out.num_scheduled_tokens == {"b": 1}
@@ -214,7 +214,7 @@ def test_block_evicted_only_when_reused():
     # b = a's prompt + 1: could hit 3 blocks, but block 3 was reused -> only 1, 2 hit.
     b = make_request("b", prompt + [99], max_tokens=1)
     s.add_request(b)
-    out, _ = step(s)
+    out = step(s).out
     assert b.num_cached_tokens == 8
     assert out.num_scheduled_tokens == {"b": 5}
 
@@ -230,6 +230,6 @@ def test_all_cached_blocks_reused_means_no_hit():
     assert sorted(free_ids(s)) == [1, 2, 3, 4, 5]
     d = make_request("d", prompt, max_tokens=1)
     s.add_request(d)
-    out, _ = step(s)
+    out = step(s).out
     assert d.num_cached_tokens == 0
     assert out.num_scheduled_tokens == {"d": 9}

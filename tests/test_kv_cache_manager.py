@@ -4,9 +4,9 @@ effects, decode-filled blocks becoming cacheable, ref counts of shared blocks, u
 reset_prefix_cache."""
 
 import pytest
-from sched_helpers import block, free_ids, make_request, make_scheduler, num_free, step
 
 from minicore.request import RequestStatus
+from minicore.testing import block, free_ids, make_request, make_scheduler, num_free, step
 
 
 def _free_hashes(s):
@@ -17,7 +17,7 @@ def _free_hashes(s):
 def _run_one(s, req):
     """Add req (max_tokens=1 expected), run one step; returns the scheduler output."""
     s.add_request(req)
-    out, _ = step(s)
+    out = step(s).out
     return out
 
 
@@ -73,7 +73,7 @@ def test_same_tokens_different_parent_different_hash_and_no_hit():
     a_blocks_hashes = _free_hashes(s)
     c = make_request("c", w + y + [0], max_tokens=1)
     s.add_request(c)
-    out, _ = step(s)
+    out = step(s).out
     # c's second block has the same tokens as a's, but a different parent: no hit at all
     assert c.num_cached_tokens == 0
     assert out.num_scheduled_tokens == {"c": 9}
@@ -93,7 +93,7 @@ def test_same_prefix_same_hash_is_shared():
     step(s)
     b = make_request("b", x + [7, 7, 7, 7, 7], max_tokens=1)
     s.add_request(b)
-    out, _ = step(s)
+    out = step(s).out
     assert b.num_cached_tokens == 4
     assert out.num_scheduled_tokens == {"b": 5}
 
@@ -187,7 +187,7 @@ def test_failed_admission_with_prefix_hit_leaves_cached_blocks_free():
     # b would hit blocks 1, 2 but needs 7 blocks in all: only 4 usable -> cannot be admitted
     b = make_request("b", prompt[:8] + list(range(500, 520)), max_tokens=1)
     s.add_request(b)
-    out, _ = step(s)
+    out = step(s).out
     assert out.num_scheduled_tokens == {}
     assert b.status == RequestStatus.WAITING
     assert b.num_computed_tokens == 0
@@ -233,7 +233,7 @@ def test_shared_prefix_ref_counts_same_step():
     b = make_request("b", shared + [200], max_tokens=10)
     s.add_request(a)
     s.add_request(b)
-    out, _ = step(s)
+    out = step(s).out
     # b hits the blocks a filled in this very step
     assert out.num_scheduled_tokens == {"a": 9, "b": 1}
     assert b.num_cached_tokens == 8

@@ -8,23 +8,20 @@ num_cached_tokens, prefix-cache stats, add_request errors and request counts."""
 import time
 
 import pytest
-from sched_helpers import (
-    FAKE_TOKEN_BASE,
-    cached_req_ids,
-    fake_model_output,
-    make_request,
-    make_scheduler,
-    new_req_ids,
-    num_free,
-    outputs_by_id,
-    run_until_finished,
-    spy_unscheduled_victims,
-    step,
-)
 
 from minicore.outputs import ModelRunnerOutput
 from minicore.request import FinishReason, Request, RequestStatus
 from minicore.sampling_params import SamplingParams
+from minicore.testing import (
+    FAKE_TOKEN_BASE,
+    fake_model_output,
+    make_request,
+    make_scheduler,
+    num_free,
+    outputs_by_id,
+    run_until_finished,
+    step,
+)
 
 POLICIES = ["fcfs", "priority"]
 ABORT = RequestStatus.FINISHED_ABORTED
@@ -36,6 +33,22 @@ def _mro(sampled: dict[str, list[int]]) -> ModelRunnerOutput:
         req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
         sampled_token_ids=[sampled[r] for r in ids],
     )
+
+
+def spy_unscheduled_victims(s) -> list[str]:
+    """Record the ids of priority victims that were unscheduled after being scheduled in the same
+    step (the scheduler calls kv_cache_manager.uncache_blocks_after for exactly those); returns
+    the list it appends to."""
+    kv = s.kv_cache_manager
+    calls: list[str] = []
+    original = kv.uncache_blocks_after
+
+    def spy(request, num_computed_tokens):
+        calls.append(request.request_id)
+        return original(request, num_computed_tokens)
+
+    kv.uncache_blocks_after = spy
+    return calls
 
 
 # ---------------------------------------------------------------- records
@@ -91,30 +104,30 @@ def test_basic_steps(policy, prefix_caching, chunked):
                        enable_prefix_caching=prefix_caching, enable_chunked_prefill=chunked)
     for rid, n in (("a", 10), ("b", 5), ("c", 4)):
         s.add_request(make_request(rid, n, max_tokens=3))
-    out1, eco1 = step(s)
+    st1 = step(s)
     if chunked:
-        assert out1.num_scheduled_tokens == {"a": 10, "b": 5, "c": 1}
-        assert out1.total_num_scheduled_tokens == 16
-        assert new_req_ids(out1) == ["a", "b", "c"]
-        assert sorted(outputs_by_id(eco1)) == ["a", "b"]  # c is mid-prefill: samples nothing
+        assert st1.scheduled == {"a": 10, "b": 5, "c": 1}
+        assert st1.out.total_num_scheduled_tokens == 16
+        assert st1.new == ["a", "b", "c"]
+        assert sorted(outputs_by_id(st1.outputs)) == ["a", "b"]  # c is mid-prefill: samples nothing
         assert s.requests["c"].num_output_tokens == 0
     else:
         # c (4 tokens) does not fit in the 1 token left: admission stops there
-        assert out1.num_scheduled_tokens == {"a": 10, "b": 5}
-        assert out1.total_num_scheduled_tokens == 15
-        assert new_req_ids(out1) == ["a", "b"]
+        assert st1.scheduled == {"a": 10, "b": 5}
+        assert st1.out.total_num_scheduled_tokens == 15
+        assert st1.new == ["a", "b"]
         assert s.get_request_counts() == (2, 1)
-    assert cached_req_ids(out1) == []
-    out2, _ = step(s)
+    assert st1.cached == []
+    st2 = step(s)
     if chunked:
-        assert out2.num_scheduled_tokens == {"a": 1, "b": 1, "c": 3}
-        assert new_req_ids(out2) == []
-        assert cached_req_ids(out2) == ["a", "b", "c"]
+        assert st2.scheduled == {"a": 1, "b": 1, "c": 3}
+        assert st2.new == []
+        assert st2.cached == ["a", "b", "c"]
     else:
-        assert out2.num_scheduled_tokens == {"a": 1, "b": 1, "c": 4}
-        assert new_req_ids(out2) == ["c"]
-        assert cached_req_ids(out2) == ["a", "b"]
-    assert out2.total_num_scheduled_tokens == sum(out2.num_scheduled_tokens.values())
+        assert st2.scheduled == {"a": 1, "b": 1, "c": 4}
+        assert st2.new == ["c"]
+        assert st2.cached == ["a", "b"]
+    assert st2.out.total_num_scheduled_tokens == sum(st2.scheduled.values())
     assert s.requests["c"].num_output_tokens == 1
 
 
@@ -125,10 +138,10 @@ def test_chunked_prefill_across_steps(policy):
     s.add_request(a)
     sched, computed, outs = [], [], []
     while s.has_unfinished_requests():
-        out, eco = step(s)
-        sched.append(out.num_scheduled_tokens["a"])
+        st = step(s)
+        sched.append(st.scheduled["a"])
         computed.append(a.num_computed_tokens)
-        outs.append(len(eco))
+        outs.append(len(st.outputs))
     assert sched == [8, 8, 4, 1]
     assert computed == [8, 16, 20, 21]
     assert outs == [0, 0, 1, 1]  # nothing sampled mid-prefill
@@ -150,7 +163,7 @@ def test_long_prefill_token_threshold(policy):
     s = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=4, policy=policy)
     s.add_request(make_request("a", 10, max_tokens=5))
     s.add_request(make_request("b", 3, max_tokens=5))
-    got = [step(s)[0].num_scheduled_tokens for _ in range(3)]
+    got = [step(s).scheduled for _ in range(3)]
     assert got == [{"a": 4, "b": 3}, {"a": 4, "b": 1}, {"a": 2, "b": 1}]
     assert s.requests["a"].num_output_tokens == 1
 
@@ -160,7 +173,7 @@ def test_long_prefill_threshold_without_chunking():
                        long_prefill_token_threshold=4, enable_chunked_prefill=False)
     s.add_request(make_request("a", 10, max_tokens=5))
     s.add_request(make_request("b", 2, max_tokens=5))  # not alone: the threshold applies
-    assert step(s)[0].num_scheduled_tokens == {"a": 4, "b": 2}
+    assert step(s).scheduled == {"a": 4, "b": 2}
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -171,12 +184,12 @@ def test_long_prefill_threshold_only_with_more_than_one_request(policy, chunked)
     s = make_scheduler(max_num_batched_tokens=16, max_model_len=16, long_prefill_token_threshold=4,
                        policy=policy, enable_chunked_prefill=chunked)
     s.add_request(make_request("a", 10, max_tokens=5))
-    assert step(s)[0].num_scheduled_tokens == {"a": 10}
+    assert step(s).scheduled == {"a": 10}
     s = make_scheduler(max_num_batched_tokens=16, max_model_len=16, long_prefill_token_threshold=4,
                        policy=policy, enable_chunked_prefill=chunked)
     s.add_request(make_request("a", 10, max_tokens=5))
     s.add_request(make_request("b", 10, max_tokens=5))
-    assert step(s)[0].num_scheduled_tokens == {"a": 4, "b": 4}
+    assert step(s).scheduled == {"a": 4, "b": 4}
 
 
 def test_long_prefill_threshold_counts_requests_at_schedule_start():
@@ -184,11 +197,11 @@ def test_long_prefill_threshold_counts_requests_at_schedule_start():
     # 1). Once b is the only one left, its remaining prompt is no longer cut.
     s = make_scheduler(max_num_batched_tokens=16, max_model_len=32, long_prefill_token_threshold=4)
     s.add_request(make_request("a", 10, max_tokens=1))
-    assert step(s)[0].num_scheduled_tokens == {"a": 10}  # a finishes (max_tokens=1)
+    assert step(s).scheduled == {"a": 10}  # a finishes (max_tokens=1)
     s.add_request(make_request("b", 14, max_tokens=2))
     s.add_request(make_request("c", 2, max_tokens=1))
-    assert step(s)[0].num_scheduled_tokens == {"b": 4, "c": 2}  # c finishes
-    assert step(s)[0].num_scheduled_tokens == {"b": 10}
+    assert step(s).scheduled == {"b": 4, "c": 2}  # c finishes
+    assert step(s).scheduled == {"b": 10}
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -197,10 +210,10 @@ def test_max_num_seqs(policy):
     s.add_request(make_request("a", 2, max_tokens=1))
     s.add_request(make_request("b", 2, max_tokens=5))
     s.add_request(make_request("c", 2, max_tokens=5))
-    out1, _ = step(s)
+    out1 = step(s).out
     assert out1.num_scheduled_tokens == {"a": 2, "b": 2}
     assert s.get_request_counts() == (1, 1)  # a finished (max_tokens=1)
-    out2, _ = step(s)
+    out2 = step(s).out
     assert out2.num_scheduled_tokens == {"b": 1, "c": 2}
     assert s.get_request_counts() == (2, 0)
 
@@ -210,7 +223,7 @@ def test_max_num_seqs_counts_running_before_step():
     for rid in "abc":
         s.add_request(make_request(rid, 2, max_tokens=5))
     step(s)
-    out, _ = step(s)
+    out = step(s).out
     assert out.num_scheduled_tokens == {"a": 1, "b": 1}
     assert s.get_request_counts() == (2, 1)
 
@@ -220,10 +233,10 @@ def test_no_chunking_no_skipping_to_shorter_request():
     s.add_request(make_request("a", 60, max_tokens=5))
     s.add_request(make_request("b", 50, max_tokens=5))
     s.add_request(make_request("c", 10, max_tokens=5))
-    out1, _ = step(s)
+    out1 = step(s).out
     assert out1.num_scheduled_tokens == {"a": 60}  # c would fit, but b is ahead of it
     assert s.requests["b"].status == RequestStatus.WAITING
-    out2, _ = step(s)
+    out2 = step(s).out
     assert out2.num_scheduled_tokens == {"a": 1, "b": 50, "c": 10}
 
 
@@ -232,9 +245,9 @@ def test_chunking_cuts_to_remaining_budget():
     s.add_request(make_request("a", 60, max_tokens=5))
     s.add_request(make_request("b", 50, max_tokens=5))
     s.add_request(make_request("c", 10, max_tokens=5))
-    out1, _ = step(s)
+    out1 = step(s).out
     assert out1.num_scheduled_tokens == {"a": 60, "b": 40}
-    out2, _ = step(s)
+    out2 = step(s).out
     assert out2.num_scheduled_tokens == {"a": 1, "b": 10, "c": 10}
 
 
@@ -261,8 +274,8 @@ def test_fcfs_admission_ignores_priority():
     s = make_scheduler(max_num_seqs=1, policy="fcfs")
     s.add_request(make_request("a", 2, max_tokens=1, priority=5))
     s.add_request(make_request("b", 2, max_tokens=1, priority=0))
-    assert list(step(s)[0].num_scheduled_tokens) == ["a"]
-    assert list(step(s)[0].num_scheduled_tokens) == ["b"]
+    assert list(step(s).scheduled) == ["a"]
+    assert list(step(s).scheduled) == ["b"]
 
 
 def test_priority_admission_order():
@@ -271,7 +284,7 @@ def test_priority_admission_order():
     s.add_request(make_request("b", 2, max_tokens=1, priority=0, arrival_time=3.0))
     s.add_request(make_request("c", 2, max_tokens=1, priority=0, arrival_time=2.0))
     s.add_request(make_request("d", 2, max_tokens=1, priority=-1, arrival_time=9.0))
-    order = [list(step(s)[0].num_scheduled_tokens) for _ in range(4)]
+    order = [list(step(s).scheduled) for _ in range(4)]
     assert order == [["d"], ["c"], ["b"], ["a"]]
 
 
@@ -283,7 +296,7 @@ def test_prefix_hit_in_same_step_changes_what_is_scheduled(policy, chunked):
                            enable_prefix_caching=prefix_caching)
         s.add_request(make_request("a", list(range(9)), max_tokens=2))
         s.add_request(make_request("b", list(range(9)), max_tokens=2))
-        out, _ = step(s)
+        out = step(s).out
         assert out.num_scheduled_tokens == {"a": 9, "b": expected_b}
         assert s.requests["b"].num_cached_tokens == 9 - expected_b
 
@@ -297,19 +310,19 @@ def test_reserve_full_isl_admits_only_a_whole_sequence_that_fits(policy, reserve
                        policy=policy, scheduler_reserve_full_isl=reserve_full_isl)
     a = make_request("a", 2, max_tokens=3)  # at most 4 computed tokens: 1 block throughout
     s.add_request(a)
-    assert step(s)[0].num_scheduled_tokens == {"a": 2}
+    assert step(s).scheduled == {"a": 2}
     b = make_request("b", 16, max_tokens=1)
     s.add_request(b)
-    out, _ = step(s)
+    st = step(s)
     if reserve_full_isl:
-        assert out.num_scheduled_tokens == {"a": 1}  # b's whole prompt does not fit: waits
+        assert st.scheduled == {"a": 1}  # b's whole prompt does not fit: waits
         assert b.status == RequestStatus.WAITING and num_free(s) == 3
-        out, _ = step(s)  # a's last token: a finishes
-        assert out.num_scheduled_tokens == {"a": 1} and a.is_finished()
-        assert step(s)[0].num_scheduled_tokens == {"b": 8}  # 4 free blocks: b fits whole now
+        st = step(s)  # a's last token: a finishes
+        assert st.scheduled == {"a": 1} and a.is_finished()
+        assert step(s).scheduled == {"b": 8}  # 4 free blocks: b fits whole now
     else:
-        assert out.num_scheduled_tokens == {"a": 1, "b": 7}
-        assert new_req_ids(out) == ["b"] and num_free(s) == 1
+        assert st.scheduled == {"a": 1, "b": 7}
+        assert st.new == ["b"] and num_free(s) == 1
     assert b.status == RequestStatus.RUNNING
 
 
@@ -325,17 +338,17 @@ def test_reserve_full_isl_counts_prefix_hits_taken_from_the_free_queue(reserve_f
     run_until_finished(s)
     q = make_request("q", 2, max_tokens=3)
     s.add_request(q)
-    assert step(s)[0].num_scheduled_tokens == {"q": 2}
+    assert step(s).scheduled == {"q": 2}
     assert num_free(s) == 4
     r = make_request("r", doc + list(range(600, 612)), max_tokens=1)
     s.add_request(r)
-    out, _ = step(s)
+    out = step(s).out
     if reserve_full_isl:
         assert out.num_scheduled_tokens == {"q": 1}
         assert r.status == RequestStatus.WAITING and r.num_cached_tokens == -1
         assert num_free(s) == 4  # the hit blocks were not taken
         step(s)  # q finishes: 5 free, 3 of them not r's hits
-        out, _ = step(s)
+        out = step(s).out
         assert out.num_scheduled_tokens == {"r": 8} and r.num_cached_tokens == 8
     else:
         assert out.num_scheduled_tokens == {"q": 1, "r": 7}
@@ -351,10 +364,10 @@ def test_reserve_full_isl_does_not_apply_to_running_requests():
     a = make_request("a", 20)
     s.add_request(a)
     s.add_request(make_request("b", 4))
-    assert step(s)[0].num_scheduled_tokens == {"a": 4, "b": 4}
-    assert step(s)[0].num_scheduled_tokens == {"a": 4, "b": 1}  # b's 5th token: a 2nd block
+    assert step(s).scheduled == {"a": 4, "b": 4}
+    assert step(s).scheduled == {"a": 4, "b": 1}  # b's 5th token: a 2nd block
     assert num_free(s) == 2 and a.num_tokens - a.num_computed_tokens == 12
-    out, _ = step(s)
+    out = step(s).out
     assert out.num_scheduled_tokens == {"a": 4, "b": 1} and not out.preempted_req_ids
     assert num_free(s) == 1
 
@@ -370,14 +383,14 @@ def test_fcfs_preempts_last_running_and_resumes_by_recompute(prefix_caching):
                   make_request("d", 2))
     for r in (a, b, c, d):
         s.add_request(r)
-    out1, _ = step(s)
+    out1 = step(s).out
     assert out1.num_scheduled_tokens == {"a": 4, "b": 3, "c": 4}
     assert num_free(s) == 0
     # a needs a 2nd block, none is free: the victim is the LAST running request (c), not b
-    out2, eco2 = step(s)
-    assert out2.num_scheduled_tokens == {"a": 1, "b": 1}
-    assert set(out2.preempted_req_ids) == {"c"}
-    assert "c" not in outputs_by_id(eco2)
+    st2 = step(s)
+    assert st2.scheduled == {"a": 1, "b": 1}
+    assert st2.preempted == {"c"}
+    assert "c" not in outputs_by_id(st2.outputs)
     assert c.status == RequestStatus.PREEMPTED
     assert c.num_computed_tokens == 0
     assert list(c.output_token_ids) == [FAKE_TOKEN_BASE]  # output kept
@@ -388,14 +401,14 @@ def test_fcfs_preempts_last_running_and_resumes_by_recompute(prefix_caching):
     assert s.get_request_counts() == (2, 2)
     # free everything else: c is resumed first and recomputes prompt + output (5 tokens)
     s.finish_requests(["a", "b"], ABORT)
-    out3, eco3 = step(s)
-    assert out3.num_scheduled_tokens == {"c": 5, "d": 2}
-    assert new_req_ids(out3) == ["c", "d"]
-    assert set(out3.finished_req_ids) == {"a", "b"}
-    assert list(out3.preempted_req_ids) == []
+    st3 = step(s)
+    assert st3.scheduled == {"c": 5, "d": 2}
+    assert st3.new == ["c", "d"]
+    assert set(st3.out.finished_req_ids) == {"a", "b"}
+    assert list(st3.preempted) == []
     assert c.status == RequestStatus.RUNNING
     assert c.num_computed_tokens == 5
-    assert outputs_by_id(eco3)["c"].new_token_ids == [FAKE_TOKEN_BASE + 1]
+    assert outputs_by_id(st3.outputs)["c"].new_token_ids == [FAKE_TOKEN_BASE + 1]
     assert c.num_preemptions == 1
 
 
@@ -408,20 +421,20 @@ def test_priority_victim_already_scheduled_returns_its_budget(prefix_caching):
     unscheduled = spy_unscheduled_victims(s)
     x = make_request("x", 16, priority=1, arrival_time=0.0)
     s.add_request(x)
-    assert step(s)[0].num_scheduled_tokens == {"x": 16}  # 4 blocks
+    assert step(s).scheduled == {"x": 16}  # 4 blocks
     s.add_request(make_request("y", 4, priority=0, arrival_time=1.0))
     s.add_request(make_request("z", 100, priority=0, arrival_time=2.0))
-    out2, _ = step(s)
+    out2 = step(s).out
     assert out2.num_scheduled_tokens == {"x": 1, "y": 4, "z": 11}  # 5 + 1 + 3 blocks
     assert num_free(s) == 0
     # x (scheduled first) is fine; y needs a block -> the worst request, x, is preempted and the
     # token it was given returns to the budget, so z gets 15 instead of 14.
-    out3, _ = step(s)
+    st3 = step(s)
     assert unscheduled == ["x"]  # x was unscheduled after being scheduled this step
-    assert set(out3.preempted_req_ids) == {"x"}
-    assert out3.num_scheduled_tokens == {"y": 1, "z": 15}
-    assert out3.total_num_scheduled_tokens == 16
-    assert "x" not in cached_req_ids(out3)
+    assert st3.preempted == {"x"}
+    assert st3.scheduled == {"y": 1, "z": 15}
+    assert st3.out.total_num_scheduled_tokens == 16
+    assert "x" not in st3.cached
     assert x.status == RequestStatus.PREEMPTED
     assert x.num_computed_tokens == 0
     assert x.num_output_tokens == 2
@@ -443,14 +456,14 @@ def test_two_priority_victims_already_scheduled_for_one_request():
     step(s)
     s.add_request(make_request("c", 16, priority=0, arrival_time=2.0))
     s.add_request(make_request("d", 2, priority=0, arrival_time=3.0))
-    assert step(s)[0].num_scheduled_tokens == {"b": 1, "a": 1, "c": 8, "d": 2}
+    assert step(s).scheduled == {"b": 1, "a": 1, "c": 8, "d": 2}
     assert num_free(s) == 0
-    out, _ = step(s)
+    st = step(s)
     assert unscheduled == ["a", "b"]
-    assert out.preempted_req_ids == {"a", "b"}
-    assert out.num_scheduled_tokens == {"c": 8, "d": 1}
-    assert cached_req_ids(out) == ["c", "d"]
-    assert out.total_num_scheduled_tokens == 9
+    assert st.preempted == {"a", "b"}
+    assert st.scheduled == {"c": 8, "d": 1}
+    assert st.cached == ["c", "d"]
+    assert st.out.total_num_scheduled_tokens == 9
     assert [r.request_id for r in s.running] == ["c", "d"]
     assert [r.request_id for r in s.waiting] == ["b", "a"]
 
@@ -463,9 +476,9 @@ def test_victim_choice_and_self_preemption_stops_running_pass(policy):
     step(s)
     y = make_request("y", 2, priority=0, arrival_time=1.0)
     s.add_request(y)
-    assert step(s)[0].num_scheduled_tokens == {"x": 1, "y": 2}
+    assert step(s).scheduled == {"x": 1, "y": 2}
     assert num_free(s) == 0
-    out3, _ = step(s)  # x needs a second block
+    out3 = step(s).out  # x needs a second block
     if policy == "fcfs":
         # victim = last of running = y
         assert out3.num_scheduled_tokens == {"x": 1}
@@ -481,7 +494,7 @@ def test_victim_choice_and_self_preemption_stops_running_pass(policy):
         assert y.status == RequestStatus.RUNNING
         assert y.num_computed_tokens == 2
         assert num_free(s) == 1
-        out4, _ = step(s)
+        out4 = step(s).out
         assert out4.num_scheduled_tokens == {"y": 1}  # x (5 tokens, 2 blocks) does not fit yet
 
 
@@ -492,13 +505,13 @@ def test_priority_victim_by_arrival_when_same_priority():
     step(s)  # "new" is admitted first, so it is first in running
     s.add_request(make_request("old", 4, priority=0, arrival_time=1.0))
     s.add_request(make_request("pad", 3, priority=0, arrival_time=3.0))
-    out2, _ = step(s)
+    out2 = step(s).out
     assert out2.num_scheduled_tokens == {"new": 1, "old": 4, "pad": 3}
     assert [r.request_id for r in s.running] == ["new", "old", "pad"]
     assert num_free(s) == 0
     # old needs a block: victim = max (priority, arrival) = "new" (arrival 5.0), although it is
     # first in running and was already scheduled this step -> unscheduled
-    out3, _ = step(s)
+    out3 = step(s).out
     assert set(out3.preempted_req_ids) == {"new"}
     assert out3.num_scheduled_tokens == {"old": 1, "pad": 1}
     assert new.status == RequestStatus.PREEMPTED
@@ -511,17 +524,17 @@ def test_no_admission_in_a_step_that_preempted():
     x = make_request("x", 4, priority=1, arrival_time=0.0)
     s.add_request(x)
     s.add_request(y)
-    out1, _ = step(s)
+    out1 = step(s).out
     assert list(out1.num_scheduled_tokens) == ["y", "x"]
     w = make_request("w", 2, priority=-1, arrival_time=2.0)
     s.add_request(w)
-    out2, _ = step(s)
+    out2 = step(s).out
     assert out2.num_scheduled_tokens == {"y": 1}
     assert set(out2.preempted_req_ids) == {"x"}
     # w would fit (a free block, budget, a seat), but nothing is admitted in a preempting step
     assert num_free(s) == 1
     assert w.status == RequestStatus.WAITING
-    out3, _ = step(s)
+    out3 = step(s).out
     assert out3.num_scheduled_tokens == {"y": 1, "w": 2}
     assert x.status == RequestStatus.PREEMPTED
 
@@ -554,19 +567,19 @@ def test_num_cached_tokens_recorded_once_and_stats():
     b = make_request("b", 7)
     s.add_request(a)
     s.add_request(b)
-    out1, eco1 = step(s)
-    assert out1.num_scheduled_tokens == {"a": 8, "b": 7}
+    st1 = step(s)
+    assert st1.scheduled == {"a": 8, "b": 7}
     assert (a.num_cached_tokens, b.num_cached_tokens) == (0, 0)
-    assert outputs_by_id(eco1)["b"].num_cached_tokens == 0
+    assert outputs_by_id(st1.outputs)["b"].num_cached_tokens == 0
     step(s)
-    out3, _ = step(s)  # b needs a 3rd block; b is the last running request -> preempts itself
+    out3 = step(s).out  # b needs a 3rd block; b is the last running request -> preempts itself
     assert set(out3.preempted_req_ids) == {"b"}
     assert out3.num_scheduled_tokens == {"a": 1}
     assert a.is_finished()
     # b resumes: its own freed blocks are still cached -> 8 of its 9 tokens hit
-    out4, _ = step(s)
-    assert out4.num_scheduled_tokens == {"b": 1}
-    assert new_req_ids(out4) == ["b"]
+    st4 = step(s)
+    assert st4.scheduled == {"b": 1}
+    assert st4.new == ["b"]
     assert b.num_cached_tokens == 0  # recorded at first admission only
     stats = s.kv_cache_manager.prefix_cache_stats
     assert (stats.queries, stats.hits) == (8 + 7 + 9, 8)
@@ -580,7 +593,7 @@ def test_prefix_cache_stats_counted_on_admission():
     assert (stats.queries, stats.hits) == (32, 0)
     b = make_request("b", list(range(32)), max_tokens=1)
     s.add_request(b)
-    _, eco = step(s)
+    eco = step(s).outputs
     assert (stats.queries, stats.hits) == (64, 16)
     assert b.num_cached_tokens == 16
     assert outputs_by_id(eco)["b"].num_cached_tokens == 16
@@ -626,7 +639,7 @@ def test_stop_conditions(sp, eos, tokens, expected, status, stop_reason):
     for _ in range(len(tokens)):
         if not s.has_unfinished_requests():
             break
-        _, eco = step(s, {"r": tokens})
+        eco = step(s, {"r": tokens}).outputs
         for o in eco:
             got += list(o.new_token_ids)
             last = o
@@ -650,7 +663,7 @@ def test_stop_conditions(sp, eos, tokens, expected, status, stop_reason):
 def test_not_finished_output_has_no_finish_reason():
     s = make_scheduler()
     s.add_request(make_request("r", 4, max_tokens=3))
-    _, eco = step(s)
+    eco = step(s).outputs
     assert len(eco) == 1
     assert eco[0].request_id == "r" and eco[0].finish_reason is None
 
@@ -848,10 +861,10 @@ def test_priority_victim_tie_broken_by_latest_arrival():
     q = make_request("q", 3, priority=0, arrival_time=5.0)
     s.add_request(p)
     s.add_request(q)
-    assert step(s)[0].num_scheduled_tokens == {"p": 4, "q": 3}
+    assert step(s).scheduled == {"p": 4, "q": 3}
     assert num_free(s) == 0
     # p needs a 2nd block; same priority -> the later arrival, q, is the victim (not p itself)
-    out2, _ = step(s)
+    out2 = step(s).out
     assert set(out2.preempted_req_ids) == {"q"}
     assert out2.num_scheduled_tokens == {"p": 1}
     assert q.status == RequestStatus.PREEMPTED
@@ -873,7 +886,7 @@ def test_priority_victim_scheduled_this_step_leaves_no_uncomputed_block_cached()
     s.add_request(make_request("y", 40, priority=0, arrival_time=1.0, max_tokens=40))
     step(s)
     assert x.num_computed_tokens == 7
-    out, _ = step(s)
+    out = step(s).out
     assert unscheduled == ["x"]  # x was scheduled this step, then unscheduled as a victim
     assert out.preempted_req_ids == {"x", "y"} and out.num_scheduled_tokens == {}
     cached = {b.block_hash for b in s.kv_cache_manager.block_pool.blocks if b.block_hash}

@@ -92,7 +92,7 @@ def fake_sample(seq: list[int], num_output_tokens: int, sp: dict, eos: int | Non
     return t
 
 
-def reference_generation(spec: "ReqSpec", max_model_len: int, eos: int | None,
+def reference_generation(spec: ReqSpec, max_model_len: int, eos: int | None,
                          masks: bool = True):
     """What the fake model generates for ``spec`` run alone, with vLLM's check_stop: EOS (unless
     ignore_eos), then the stop ids, then max_tokens / max_model_len; min_tokens is the sampler's
@@ -709,7 +709,7 @@ def run_trace(t: Trace, step_cap: int = 4000):
                 raise AssertionError(
                     f"{where}: block {b.block_id} is in the prefix cache (ref_cnt {b.ref_cnt}) "
                     f"but its KV was never computed: {kv[b.block_id]}")
-        for rid, n in nst.items():
+        for rid in nst:
             r = s.requests[rid]
             if r.num_computed_tokens < r.num_tokens:
                 sampled[rid] = []

@@ -13,7 +13,6 @@ import httpx
 import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from sched_helpers import make_request, make_scheduler, step
 from server_helpers import ServerProcess
 from test_detokenizer import ByteTokenizer
 
@@ -38,6 +37,7 @@ from minicore.protocol import (
 )
 from minicore.request import FinishReason, RequestStatus
 from minicore.sampling_params import SamplingParams
+from minicore.testing import make_request, make_scheduler, step
 
 MODEL = "m"
 QUEUED, SCHEDULED, PREEMPTED = (EngineCoreEventType.QUEUED, EngineCoreEventType.SCHEDULED,
@@ -74,7 +74,7 @@ def test_scheduler_records_queued_scheduled_and_preempted_events():
     requests = [make_request(i, n) for i, n in (("a", 4), ("b", 3), ("c", 4))]
     for r in requests:
         s.add_request(r)
-    _, outputs = step(s)
+    outputs = step(s).outputs
     first = {o.request_id: o.events for o in outputs}
     for events in first.values():  # both events ride on the first token's output
         assert [e.type for e in events] == [QUEUED, SCHEDULED]
@@ -82,11 +82,11 @@ def test_scheduler_records_queued_scheduled_and_preempted_events():
     # All three were admitted by one step: one SCHEDULED time, the step's start (as vLLM).
     assert len({events[1].timestamp for events in first.values()}) == 1
     # a needs a second block: c, the last running, is preempted; its event waits for its output.
-    _, outputs = step(s)
+    outputs = step(s).outputs
     assert {o.request_id: o.events for o in outputs} == {"a": None, "b": None}
     assert [e.type for e in requests[2].events] == [PREEMPTED]
     s.finish_requests(["a", "b"], RequestStatus.FINISHED_ABORTED)
-    _, outputs = step(s)
+    outputs = step(s).outputs
     (resumed,) = outputs
     assert [e.type for e in resumed.events] == [PREEMPTED, SCHEDULED]
     assert resumed.events[0].timestamp < resumed.events[1].timestamp

@@ -9,7 +9,6 @@ import sys
 import time
 
 import pytest
-from sched_helpers import fake_model_output, make_request, num_free, step
 
 from minicore.config import CacheConfig, EngineConfig, SchedulerConfig, create_engine_config
 from minicore.engine.core import EngineCore
@@ -19,15 +18,16 @@ from minicore.kv_transfer.nixl import NixlConnector
 from minicore.outputs import KVConnectorOutput
 from minicore.request import FinishReason, RequestStatus
 from minicore.scheduler import Scheduler
+from minicore.testing import fake_model_output, make_request, num_free, step
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 32
 
 
 def make_pd_scheduler(engine_id: str) -> Scheduler:
-    config = EngineConfig(cache_config=CacheConfig(
-        block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS,
+    config = EngineConfig(
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
         kv_transfer_config=KVTransferConfig("NixlConnector", "kv_both", engine_id,
-                                            {"side_channel_port": 7000})))
+                                            {"side_channel_port": 7000}))
     connector = NixlConnector(config, KVConnectorRole.SCHEDULER)
     return Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=64),
                      config.cache_config, connector)
@@ -42,7 +42,7 @@ def prefill(p: Scheduler, prompt: list[int], req_id: str = "r"):
     """Run the prefill instance's request (max_tokens=1); return its kv_transfer_params."""
     p.add_request(make_request(req_id, prompt, max_tokens=1,
                                kv_transfer_params={"do_remote_decode": True}))
-    _, outputs = step(p)
+    outputs = step(p).outputs
     assert outputs[0].finish_reason == FinishReason.LENGTH
     return outputs[0].kv_transfer_params
 
@@ -87,12 +87,13 @@ def test_remote_prefill_then_remote_decode():
     assert_empty(p)
 
     # The decode instance computes the last prompt token only, then decodes.
-    out, outputs = step(d)
-    assert out.num_scheduled_tokens == {"r": 1}
-    assert out.scheduled_new_reqs[0].num_computed_tokens == 9
+    st = step(d)
+    outputs = st.outputs
+    assert st.scheduled == {"r": 1}
+    assert st.out.scheduled_new_reqs[0].num_computed_tokens == 9
     assert len(d.kv_cache_manager.block_pool.cached_block_hash_to_block) == 2
     while d.has_unfinished_requests():
-        _, more = step(d)
+        more = step(d).outputs
         outputs += more
     assert sum(len(o.new_token_ids) for o in outputs) == 3
     # Parking is no scheduling: one SCHEDULED event, when it ran (the queue time spans the read).
@@ -112,7 +113,7 @@ def test_prefix_hit_on_the_decode_side_reads_only_the_tail():
     assert len(read.local_block_ids) == 2 and read.remote_block_ids[-2:] == params[
         "remote_block_ids"][-2:]
     report(d, finished_recving={"r"})
-    out, _ = step(d)
+    out = step(d).out
     assert out.num_scheduled_tokens == {"r": 1}
     while d.has_unfinished_requests():
         step(d)
@@ -159,7 +160,7 @@ def test_a_failed_read_recomputes_from_the_first_bad_block():
                                kv_transfer_params=params))
     local = d.schedule().kv_connector_metadata.reqs_to_recv["r"].local_block_ids
     report(d, finished_recving={"r"}, invalid_block_ids={local[1]})
-    out, _ = step(d)
+    out = step(d).out
     # Block 0 arrived; blocks 1 and 2 (tokens 4-9) are computed here.
     assert out.num_scheduled_tokens == {"r": 6}
     assert out.scheduled_new_reqs[0].num_computed_tokens == 4
@@ -177,7 +178,7 @@ def test_a_read_that_failed_entirely_recomputes_everything():
                                kv_transfer_params=params))
     local = d.schedule().kv_connector_metadata.reqs_to_recv["r"].local_block_ids
     report(d, finished_recving={"r"}, invalid_block_ids=set(local))
-    out, _ = step(d)
+    out = step(d).out
     assert out.num_scheduled_tokens == {"r": 10}
     assert not out.kv_connector_metadata.reqs_to_recv  # one transfer per request
     assert_empty(d)
@@ -187,7 +188,7 @@ def test_a_prefill_that_stops_early_or_is_aborted_holds_nothing():
     p = make_pd_scheduler("P")
     p.add_request(make_request("r", 6, max_tokens=1, eos_token_id=1000,
                                kv_transfer_params={"do_remote_decode": True}))
-    _, outputs = step(p)  # the fake model samples 1000: EOS
+    outputs = step(p).outputs  # the fake model samples 1000: EOS
     assert outputs[0].finish_reason == FinishReason.STOP
     assert outputs[0].kv_transfer_params is None
     p.add_request(make_request("a", 6, kv_transfer_params={"do_remote_decode": True}))
