@@ -27,11 +27,12 @@ from minicore.arg_utils import (
     resolve_chat_template,
 )
 from minicore.kv_transfer.config import KVTransferConfig
+from minicore.model.registry import MODEL_RUNNERS, runner_info
 
-SchedulingPolicy = Literal["fcfs", "priority"]
 BalanceThreshold = Literal["full", "one-short"]
 BalanceCountSync = Literal["all-gather", "all-reduce-max"]
-ModelRunnerKind = Literal["transformers", "simulated"]
+# --runner's choices: the registry's names (minicore/model/registry.py).
+ModelRunnerKind = Literal[tuple(MODEL_RUNNERS)]
 # vLLM's --dtype choices; "auto" is bfloat16 on CUDA and float32 on CPU, resolved where torch is
 # (minicore.model.loader), since this module stays pure Python.
 ModelDType = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
@@ -65,9 +66,11 @@ class SchedulerConfig:
     scheduler_reserve_full_isl: bool = _flag(
         True, "admit a waiting request only when the KV cache has room for its whole current "
               "sequence, not just for the chunk scheduled now (vLLM's default)")
-    policy: SchedulingPolicy = _flag(
-        "fcfs", "fcfs: arrival order; priority: the smallest request priority first, then arrival "
-                "order", flag="--scheduling-policy")
+    # A name from minicore/scheduler/policies/, checked when the Scheduler is built: importing the
+    # policies here would be an import circle (the scheduler imports this module).
+    policy: str = _flag(
+        "fcfs", "the scheduling policy: the waiting queue's order and the preemption victim",
+        flag="--scheduling-policy")
     # BalanceScheduler instead of Scheduler. Listed with the data-parallel flags: it balances ranks.
     balance_scheduling: bool = _flag(
         False, "hold back admission on every rank while one is full, or nearly: see "
@@ -78,9 +81,8 @@ class SchedulerConfig:
                 "max_num_seqs - 1 or more (vllm-ascend PR #7611, reverted in #8675 after a "
                 "first-token latency regression)", group="data parallel")
     # The gate reads only the maximum running count, so one integer all-reduced (MAX) gives the
-    # decisions the gathered list does, for less: between 4 processes on 2 cores, gloo's
-    # all-gather cost about 3x as much (docs/BALANCE_STUDY.md). The all-gather stays the default
-    # because it is vllm-ascend's.
+    # decisions the gathered list does, for less (gloo's all-gather costs more: docs/BENCHMARKS.md).
+    # The all-gather stays the default because it is vllm-ascend's.
     balance_count_sync: BalanceCountSync = _flag(
         "all-gather", "how the balance gate learns the ranks' running counts: all-gather: every "
                       "rank's count, as vllm-ascend does; all-reduce-max: only the largest, the "
@@ -93,8 +95,6 @@ class SchedulerConfig:
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0, got "
                              f"{self.long_prefill_token_threshold}")
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.balance_threshold not in ("full", "one-short"):
             raise ValueError("balance_threshold must be 'full' or 'one-short', got "
                              f"{self.balance_threshold!r}")
@@ -174,16 +174,13 @@ class ModelConfig:
         False, "accepted for vLLM's command lines; no effect: minicore always runs eagerly (it "
                "captures no CUDA graphs)")
     runner: ModelRunnerKind = _flag(
-        "transformers", "simulated: no weights, made-up tokens after a modelled delay "
-                        "(minicore.model.simulated, for studying the IO path and scheduling "
-                        "policies); the tokenizer is still the model's")
+        "transformers", "; ".join(f"{name}: {info.help}" for name, info in MODEL_RUNNERS.items()))
     simulated_cost: SimulatedCost = field(default_factory=SimulatedCost, metadata={
         "help": "the simulated runner's step time, e.g. "
                 '\'{"step_s": 0.01, "prefill_token_s": 1e-5, "decode_seq_s": 1e-4}\''})
 
     def __post_init__(self):
-        if self.runner not in ("transformers", "simulated"):
-            raise ValueError(f"runner must be 'transformers' or 'simulated', got {self.runner!r}")
+        runner_info(self.runner)  # an unknown runner: ValueError naming the choices
         if self.dtype not in get_args(ModelDType):
             raise ValueError(f"dtype must be one of {', '.join(get_args(ModelDType))}, "
                              f"got {self.dtype!r}")
@@ -285,9 +282,12 @@ class EngineConfig:
         if self.scheduler_config.balance_scheduling and self.parallel_config.data_parallel_size < 2:
             raise ValueError("balance scheduling balances data-parallel ranks: it needs "
                              "data_parallel_size >= 2")
-        if self.parallel_config.enable_expert_parallel and self.model_config.runner == "simulated":
-            raise ValueError("the simulated runner has no experts to shard: "
-                             "--enable-expert-parallel needs --runner transformers")
+        runner = self.model_config.runner
+        if self.parallel_config.enable_expert_parallel and not runner_info(
+                runner).supports_expert_parallel:
+            able = " or ".join(n for n, i in MODEL_RUNNERS.items() if i.supports_expert_parallel)
+            raise ValueError(f"the {runner} runner has no experts to shard: "
+                             f"--enable-expert-parallel needs --runner {able}")
 
 
 # EngineConfig's sub-configs, with the titles of their flags' --help groups.

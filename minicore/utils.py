@@ -53,7 +53,6 @@ def free_port_pair() -> int:
 def freeze_gc_heap() -> None:
     """Move everything alive now (after startup: torch, transformers, the model, the tokenizer; a
     large, static heap) out of the garbage collector's reach: a full collection over it stalls the
-    event loop for ~0.2 s (measured on the frontend: 2x requests/s on the IO path with the heap
-    frozen)."""
+    event loop (docs/BENCHMARKS.md has the figures)."""
     gc.collect()
     gc.freeze()

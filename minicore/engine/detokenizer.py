@@ -17,7 +17,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None, *,
                  include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
                  spaces_between_special_tokens: bool = True):
-        # A fast tokenizer's Rust backend decodes ~3x faster than transformers' wrapper around it,
+        # A fast tokenizer's Rust backend decodes faster than transformers' wrapper around it,
         # which adds nothing when it does not clean up spaces (vLLM's fast detokenizer does this too).
         backend = getattr(tokenizer, "_tokenizer", None)
         if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):

@@ -3,7 +3,8 @@
 Mirrors vllm/entrypoints/openai/protocol.py. Requests are pydantic models, as in vLLM, so FastAPI
 reports type errors with the field's path; their sampling fields become a SamplingParams, whose
 checks are the one source of truth for value ranges. Responses are msgspec Structs: a streamed
-token costs one small JSON encode, and msgspec does that several times faster than pydantic.
+token costs one small JSON encode, and msgspec does that faster than pydantic
+(docs/BENCHMARKS.md).
 kv_transfer_params (prefill/decode disaggregation) is a vLLM extension: taken in both request bodies,
 and returned at the top level of whole responses ("kv_transfer_params": null when there are none,
 as vLLM's model_dump shows it) but not on stream chunks, which in vLLM have no such field either.
