@@ -137,11 +137,6 @@ class Request:
     def get_finished_reason(self) -> FinishReason | None:
         return RequestStatus.get_finished_reason(self.status)
 
-    def __lt__(self, other: "Request") -> bool:
-        # Priority order: smaller (priority, arrival_time) first; request id breaks exact ties.
-        return ((self.priority, self.arrival_time, self.request_id)
-                < (other.priority, other.arrival_time, other.request_id))
-
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, "
                 f"computed={self.num_computed_tokens}/{self.num_tokens})")

@@ -16,6 +16,7 @@ from typing import Literal, get_args, get_origin
 
 from minicore.config import SUB_CONFIGS
 from minicore.kv_transfer.config import KVTransferConfig
+from minicore.scheduler.policies import get_policy, policy_names
 
 KV_TRANSFER_HELP = (
     "run a KV connector for prefill/decode disaggregation, as vLLM's flag: "
@@ -65,6 +66,10 @@ def _flag_kwargs(f: Field) -> dict:
     """add_argument's keywords for a field, from its annotation and default."""
     default = f.default_factory() if f.default is MISSING else f.default
     kwargs = {"dest": f.name, "default": default, "help": f.metadata["help"]}
+    if f.name == "policy":  # the policy registry's, which config.py cannot import (a circle)
+        kwargs["choices"] = policy_names()
+        kwargs["help"] += "".join(f"; {name}: {get_policy(name).description}"
+                                  for name in policy_names())
     if default is not None and not is_dataclass(default):  # the help says what None stands for
         kwargs["help"] += " (default: %(default)s)"
     kind = f.type

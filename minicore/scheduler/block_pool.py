@@ -20,8 +20,8 @@ BlockHash = bytes
 class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
-    # Set while the block is full and cached; kept after the block is freed (lazy eviction) until the
-    # block is handed out again.
+    # Set while the block is full and cached; kept after the block is freed (lazy eviction) until
+    # the block is handed out again.
     block_hash: BlockHash | None = None
     prev_free_block: "KVCacheBlock | None" = None
     next_free_block: "KVCacheBlock | None" = None
@@ -97,7 +97,8 @@ class FreeKVCacheBlockQueue:
         return blocks
 
 
-def hash_block_tokens(parent_hash: BlockHash | None, token_ids, extra_keys: bytes = b"") -> BlockHash:
+def hash_block_tokens(parent_hash: BlockHash | None, token_ids,
+                      extra_keys: bytes = b"") -> BlockHash:
     """Chain hash of one full block: it names the block's tokens and everything before them, so two
     requests share a block only if their whole prefixes match. sha256, not hash(): a collision would
     silently serve another prompt's KV."""

@@ -131,7 +131,8 @@ class KVCacheManager:
                 > self.num_cached_block.get(request.request_id, 0)):
             self._cache_full_blocks(request, blocks, num_computed_tokens)
 
-    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
+    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock],
+                           num_tokens: int) -> None:
         num_full = num_tokens // self.block_size
         req_id = request.request_id
         start = self.num_cached_block.get(req_id, 0)

@@ -1,11 +1,14 @@
 """The scheduler's side of a KV connector: requests parked while their KV is loaded from another
 instance, blocks held while another instance reads them, and load failures.
 
-Mirrors the KV-connector parts of vllm/v1/core/sched/scheduler.py: the load_kv_async branch of
-schedule() (here _park_for_remote_kvs), _update_waiting_for_remote_kv, _update_from_kv_xfer_finished,
-_handle_invalid_blocks, and _free_request's delayed free. It is a mixin of Scheduler
-(scheduler.py), kept apart so that a reader of the scheduler without a connector can skip it; every
-entry point is behind `connector is not None` or a state only a connector creates.
+Mirrors the KV-connector parts of vllm/v1/core/sched/scheduler.py: the connector calls of
+schedule() and _free_request, the load_kv_async branch (here ConnectorRemoteKV.park),
+_update_waiting_for_remote_kv, _update_from_kv_xfer_finished and _handle_invalid_blocks. vLLM
+tests `self.connector is not None` at each of them; here the Scheduler binds one component at
+construction, NoRemoteKV without a connector (every call a no-op), ConnectorRemoteKV with one, and
+calls it at fixed points: admission, finish, the step's metadata, the start of schedule(), after
+update_from_output, and for the counts. A reader of the scheduler without a connector can skip
+this file.
 
 Request states (decode side, the consumer):
   WAITING --get_num_new_matched_tokens > 0--> WAITING_FOR_REMOTE_KVS, blocks allocated (not yet in
@@ -14,28 +17,71 @@ Request states (decode side, the consumer):
   the request computes only its last prompt token itself and samples from it.
   A load that failed (invalid_block_ids) keeps the valid prefix and recomputes the rest.
 Prefill side (the producer): a finished request whose connector says delay_free stays in
-self.requests, its blocks held, until get_finished reports it in finished_sending (the peer has
-read them, or the connector's timeout expired); has_requests() keeps the engine stepping meanwhile.
+Scheduler.requests, its blocks held, until get_finished reports it in finished_sending (the peer
+has read them, or the connector's timeout expired); has_requests() keeps the engine stepping.
 Left out: synchronous external loads (minicore's connectors load asynchronously only), the
 "fail" load-failure policy, connector prefix-cache stats.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from minicore.outputs import KVConnectorOutput
+from minicore.protocol import EngineCoreOutput
 from minicore.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from minicore.kv_transfer.base import KVConnectorBase_V1
+    from minicore.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata
     from minicore.scheduler.block_pool import KVCacheBlock
+    from minicore.scheduler.output import SchedulerOutput
+    from minicore.scheduler.scheduler import Scheduler
 
-WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
+
+class NoRemoteKV:
+    """The scheduler without a KV connector: no KV comes from elsewhere (so no request is ever
+    parked, and park is never called), no block is held for a peer, and there is nothing to tell
+    a worker side. Its methods are the seam ConnectorRemoteKV fills in."""
+
+    __slots__ = ()
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        """Prompt tokens beyond the local prefix hit whose KV comes from elsewhere; when > 0 the
+        scheduler calls park(request, ...) instead of admitting the request."""
+        return 0
+
+    def update_state_after_alloc(self, request: Request) -> None:
+        """The request was just admitted, its blocks allocated."""
+
+    def request_finished(self, request: Request, output: EngineCoreOutput | None) -> bool:
+        """The request has just finished (its status set); output is its last output, if it has
+        one. Returns delay_free: whether its blocks stay held, and the request in
+        Scheduler.requests, until a later step frees them."""
+        return False
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput"
+                             ) -> "KVConnectorMetadata | None":
+        """SchedulerOutput.kv_connector_metadata of this step."""
+        return None
+
+    def promote_received(self) -> None:
+        """At the start of schedule(): requests whose KV arrived rejoin the waiting queue."""
+
+    def update_from_kv_xfer_finished(self, kv_connector_output: KVConnectorOutput | None) -> None:
+        """After update_from_output: what the worker side reported for the step."""
+
+    def has_pending_requests(self) -> bool:
+        """Whether the engine must keep stepping with no request left to run."""
+        return False
+
+    def num_waiting_for_remote_kvs(self) -> int:
+        """Requests parked while their KV loads: they count as waiting (vLLM: skipped waiting)."""
+        return 0
 
 
-class RemoteKVMixin:
-    connector: "KVConnectorBase_V1 | None"
+class ConnectorRemoteKV:
+    """The scheduler's calls into its KV connector, and the requests parked for remote KV."""
 
-    def _init_remote_kv(self, connector: "KVConnectorBase_V1 | None") -> None:
+    def __init__(self, scheduler: "Scheduler", connector: "KVConnectorBase_V1"):
+        self.scheduler = scheduler
         self.connector = connector
         # Parked requests by id, in the order they were parked.
         self.waiting_for_remote_kvs: dict[str, Request] = {}
@@ -43,38 +89,59 @@ class RemoteKVMixin:
         self.finished_recving_kv_req_ids: set[str] = set()
         self.failed_recving_kv_req_ids: set[str] = set()
 
-    def has_requests(self) -> bool:
-        """Whether the engine must keep stepping: unfinished requests, finished ones whose blocks
-        are held for a peer or still being loaded into, or connector state not yet sent to the
-        worker side (vLLM: Scheduler.has_requests)."""
-        return bool(self.requests) or (self.connector is not None
-                                       and self.connector.has_pending_requests())
-
-    def _park_for_remote_kvs(self, request: Request, computed_blocks: "list[KVCacheBlock]",
-                             num_computed: int, num_external: int, load_async: bool) -> bool:
-        """Allocate blocks for the request's external tokens and park it until they arrive;
-        False (nothing changed) when the blocks are not there."""
-        if not load_async:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        num_external, load_async = self.connector.get_num_new_matched_tokens(request,
+                                                                             num_computed_tokens)
+        if num_external > 0 and not load_async:
             raise NotImplementedError("minicore's scheduler loads external KV asynchronously "
                                       "only: get_num_new_matched_tokens must return (n, True)")
-        kv = self.kv_cache_manager
+        return num_external
+
+    def park(self, request: Request, computed_blocks: "list[KVCacheBlock]", num_computed: int,
+             num_external: int) -> int | None:
+        """Allocate blocks for the request's external tokens and park it until they arrive:
+        0 (no token scheduled), or None, nothing changed, when the blocks are not there."""
+        scheduler = self.scheduler
+        kv = scheduler.kv_cache_manager
         if kv.allocate_slots(request, num_external, num_computed, computed_blocks,
-                             self.scheduler_config.scheduler_reserve_full_isl,
+                             scheduler.scheduler_config.scheduler_reserve_full_isl,
                              delay_cache_blocks=True) is None:
-            return False
-        self.waiting.pop_request()
+            return None
+        scheduler.waiting.pop_request()
         kv.record_prefix_cache_query(request.num_tokens, num_computed)
         self.connector.update_state_after_alloc(request, kv.get_blocks(request.request_id),
                                                 num_external)
         # Not loaded yet; nothing reads it before the KV arrives, and a failed load lowers it.
         request.num_computed_tokens = num_computed + num_external
-        request.status = WAITING_FOR_REMOTE_KVS
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.waiting_for_remote_kvs[request.request_id] = request
-        return True
+        return 0
 
-    def _promote_received(self) -> None:
+    def update_state_after_alloc(self, request: Request) -> None:
+        blocks = self.scheduler.kv_cache_manager.get_blocks(request.request_id)
+        self.connector.update_state_after_alloc(request, blocks, 0)
+
+    def request_finished(self, request: Request, output: EngineCoreOutput | None) -> bool:
+        delay_free = False
+        if self.waiting_for_remote_kvs.pop(request.request_id, None) is not None:
+            # Parked (an abort): its blocks wait for the load that may still be writing them.
+            delay_free = request.request_id not in self.finished_recving_kv_req_ids
+            self.finished_recving_kv_req_ids.discard(request.request_id)
+            self.failed_recving_kv_req_ids.discard(request.request_id)
+        block_ids = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)
+        connector_delay_free, params = self.connector.request_finished(request, block_ids)
+        if output is not None:
+            output.kv_transfer_params = params
+        return delay_free or connector_delay_free
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> "KVConnectorMetadata":
+        return self.connector.build_connector_meta(scheduler_output)
+
+    def promote_received(self) -> None:
         """Move the requests whose KV arrived to the front of the waiting queue, earliest first:
         they hold their blocks already."""
+        if not self.finished_recving_kv_req_ids:
+            return
         received = [self.waiting_for_remote_kvs.pop(req_id)
                     for req_id in self.finished_recving_kv_req_ids]
         self.finished_recving_kv_req_ids.clear()
@@ -82,10 +149,10 @@ class RemoteKVMixin:
             self._update_waiting_for_remote_kv(request)
             request.status = (RequestStatus.PREEMPTED if request.num_preemptions
                               else RequestStatus.WAITING)
-            self.waiting.prepend_request(request)
+            self.scheduler.waiting.prepend_request(request)
 
     def _update_waiting_for_remote_kv(self, request: Request) -> None:
-        kv = self.kv_cache_manager
+        kv = self.scheduler.kv_cache_manager
         if request.request_id in self.failed_recving_kv_req_ids:
             self.failed_recving_kv_req_ids.discard(request.request_id)
             if not request.num_computed_tokens:
@@ -98,46 +165,38 @@ class RemoteKVMixin:
             # The model must run on one token at least, to sample from its logits.
             request.num_computed_tokens -= 1
 
-    def _update_from_kv_xfer_finished(self, output: KVConnectorOutput) -> None:
-        if output.invalid_block_ids:
-            self._handle_invalid_blocks(output.invalid_block_ids)
-        for req_id in output.finished_recving or ():
+    def update_from_kv_xfer_finished(self, kv_connector_output: KVConnectorOutput | None) -> None:
+        if kv_connector_output is None:
+            return
+        if kv_connector_output.invalid_block_ids:
+            self._handle_invalid_blocks(kv_connector_output.invalid_block_ids)
+        requests = self.scheduler.requests
+        for req_id in kv_connector_output.finished_recving or ():
             # Unknown: a request aborted before its read, whose blocks were never held.
-            if (request := self.requests.get(req_id)) is None:
+            if (request := requests.get(req_id)) is None:
                 continue
-            if request.status == WAITING_FOR_REMOTE_KVS:
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 self.finished_recving_kv_req_ids.add(req_id)
             elif request.is_finished():  # aborted during its read: the blocks are free to go
-                self._free_blocks(request)
-        for req_id in output.finished_sending or ():
-            if (request := self.requests.get(req_id)) is not None and request.is_finished():
-                self._free_blocks(request)
+                self.scheduler._free_blocks(request)
+        for req_id in kv_connector_output.finished_sending or ():
+            if (request := requests.get(req_id)) is not None and request.is_finished():
+                self.scheduler._free_blocks(request)
 
     def _handle_invalid_blocks(self, invalid_block_ids: set[int]) -> None:
         """Parked requests whose load failed keep the KV before their first invalid block and
         recompute from there, once their load is reported finished."""
-        block_size = self.kv_cache_manager.block_size
+        kv = self.scheduler.kv_cache_manager
         for request in self.waiting_for_remote_kvs.values():
-            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+            block_ids = kv.get_block_ids(request.request_id)
             first_bad = next((i for i, b in enumerate(block_ids) if b in invalid_block_ids), None)
             if first_bad is not None:
                 request.num_computed_tokens = min(request.num_computed_tokens,
-                                                  first_bad * block_size)
+                                                  first_bad * kv.block_size)
                 self.failed_recving_kv_req_ids.add(request.request_id)
 
-    def _leave_remote_kv_wait(self, request: Request) -> bool:
-        """A parked request finishes (abort): True if its blocks must wait for the load that may
-        still be writing into them."""
-        del self.waiting_for_remote_kvs[request.request_id]
-        received = request.request_id in self.finished_recving_kv_req_ids
-        self.finished_recving_kv_req_ids.discard(request.request_id)
-        self.failed_recving_kv_req_ids.discard(request.request_id)
-        return not received
+    def has_pending_requests(self) -> bool:
+        return self.connector.has_pending_requests()
 
-    def _connector_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        return self.connector.request_finished(
-            request, self.kv_cache_manager.get_block_ids(request.request_id))
-
-    def _free_blocks(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
-        del self.requests[request.request_id]
+    def num_waiting_for_remote_kvs(self) -> int:
+        return len(self.waiting_for_remote_kvs)

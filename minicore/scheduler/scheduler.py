@@ -11,30 +11,34 @@ benchmarks/vllm_differential.py; docs/FIDELITY.md gives the figures. Two deliber
 a priority-policy victim preempted after being scheduled in the same step leaves no never-computed
 block in the prefix cache (vLLM 0.32 leaves their hashes registered, so a later request can hit KV
 that was never written), and finish_requests frees in the order given (vLLM: set order).
-A KV connector (prefill/decode disaggregation), when the engine runs one, is given to the
-constructor; its half of the scheduler is the RemoteKVMixin in remote_kv.py. Without one, every
-connector branch here is a single `is None` test.
+Features outside the core bind once, at construction, as components with do-nothing defaults,
+instead of being tested in every step: the scheduling policy (policies/: the waiting queue's order
+and the preemption victim), the KV connector of prefill/decode disaggregation (remote_kv.py:
+NoRemoteKV without one), BalanceScheduler's admission gate (balance.py), and the logprobs on the
+outputs (logprobs.py, one call per step).
 Left out: speculative decoding, encoders, LoRA, structured output, async scheduling.
 """
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from minicore.config import CacheConfig, SchedulerConfig
 from minicore.outputs import ModelRunnerOutput
-from minicore.protocol import (EngineCoreEvent, EngineCoreEventType, EngineCoreOutput,
-                               SchedulerStats)
+from minicore.protocol import EngineCoreEvent, EngineCoreEventType, EngineCoreOutput, SchedulerStats
 from minicore.request import Request, RequestStatus
 from minicore.scheduler.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from minicore.scheduler.logprobs import add_logprobs
 from minicore.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
-from minicore.scheduler.remote_kv import WAITING_FOR_REMOTE_KVS, RemoteKVMixin
-from minicore.scheduler.request_queue import create_request_queue
+from minicore.scheduler.policies import get_policy
+from minicore.scheduler.remote_kv import ConnectorRemoteKV, NoRemoteKV
 
 if TYPE_CHECKING:
     from minicore.kv_transfer.base import KVConnectorBase_V1
 
 RUNNING = RequestStatus.RUNNING
+# The statuses of the requests in the waiting queue (a parked one, WAITING_FOR_REMOTE_KVS, is not).
+IN_WAITING_QUEUE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 # Shared by every request that needs no new block this step (most decode steps): one allocation
 # less per request per step.
 NO_NEW_BLOCKS: tuple[int, ...] = ()
@@ -55,7 +59,7 @@ class _StepState:
     preempted_reqs: list[Request] = field(default_factory=list)
 
 
-class Scheduler(RemoteKVMixin):
+class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  connector: "KVConnectorBase_V1 | None" = None):
         if cache_config.num_blocks is None:
@@ -65,16 +69,18 @@ class Scheduler(RemoteKVMixin):
         self.max_num_running_reqs = scheduler_config.max_num_seqs
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
-        self.policy = scheduler_config.policy
+        self.policy = get_policy(scheduler_config.policy)()
         self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
                                                cache_config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
-        self.waiting = create_request_queue(self.policy)
+        self.waiting = self.policy.create_request_queue()
         self.running: list[Request] = []
         # Finished since the last schedule(); the next SchedulerOutput tells the runner.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
-        self._init_remote_kv(connector)
+        # The scheduler side of a KV connector, which the engine also shuts down.
+        self.connector = connector
+        self.remote_kv = NoRemoteKV() if connector is None else ConnectorRemoteKV(self, connector)
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -89,47 +95,53 @@ class Scheduler(RemoteKVMixin):
         request.events.append(EngineCoreEvent.new_event(EngineCoreEventType.QUEUED))
 
     def finish_requests(self, request_ids, finished_status: RequestStatus) -> None:
-        """Finish requests from outside (abort); unknown or already finished ids are ignored."""
+        """Finish requests from outside (abort); unknown or already finished ids are ignored (a
+        finished one is still known while a KV connector holds its blocks)."""
         if not RequestStatus.is_finished(finished_status):
             raise ValueError(f"{finished_status!r} is not a finished status")
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
-        self._finish([(self.requests[i], finished_status)
-                      for i in dict.fromkeys(request_ids) if i in self.requests])
+        requests = self.requests
+        self._finish([(requests[i], finished_status, None) for i in dict.fromkeys(request_ids)
+                      if i in requests and not requests[i].is_finished()])
 
-    def _finish(self, finished: list[tuple[Request, RequestStatus]]) -> dict[str, dict[str, Any]]:
-        """Finish and free the requests; returns the KV connector's kv_transfer_params by
-        request id, for those it gave any."""
-        running = {request for request, _ in finished if request.status == RUNNING}
+    def _finish(self, finished: list[tuple[Request, RequestStatus, EngineCoreOutput | None]]
+                ) -> None:
+        """Finish the requests, each with its status and its last output if it has one (the KV
+        connector's kv_transfer_params go there), and free their blocks unless the connector
+        holds them."""
+        running = {request for request, _, _ in finished if request.status == RUNNING}
         if running:
             self.running = [r for r in self.running if r not in running]
-        kv_transfer_params = {}
-        for request, status in finished:
-            delay_free = False
-            if request.status == WAITING_FOR_REMOTE_KVS:
-                delay_free = self._leave_remote_kv_wait(request)
-            elif request.status != RUNNING:
+        for request, status, output in finished:
+            if request.status in IN_WAITING_QUEUE:
                 self.waiting.remove_request(request)
             request.status = status
-            if self.connector is not None:
-                connector_delay_free, params = self._connector_finished(request)
-                delay_free |= connector_delay_free
-                if params is not None:
-                    kv_transfer_params[request.request_id] = params
             self.finished_req_ids.add(request.request_id)
+            delay_free = self.remote_kv.request_finished(request, output)
             if not delay_free:
                 self._free_blocks(request)
-        return kv_transfer_params
+
+    def _free_blocks(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+
+    def has_requests(self) -> bool:
+        """Whether the engine must keep stepping: unfinished requests, finished ones whose blocks
+        a KV connector holds, or connector state not yet sent to its worker side (vLLM:
+        Scheduler.has_requests)."""
+        return bool(self.requests) or self.remote_kv.has_pending_requests()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or bool(self.waiting) or bool(self.waiting_for_remote_kvs)
+        return (bool(self.running) or bool(self.waiting)
+                or self.remote_kv.num_waiting_for_remote_kvs() > 0)
 
     def get_num_unfinished_requests(self) -> int:
         return sum(self.get_request_counts())
 
     def get_request_counts(self) -> tuple[int, int]:
         """(running, waiting); requests parked for remote KV count as waiting, as in vLLM."""
-        return len(self.running), len(self.waiting) + len(self.waiting_for_remote_kvs)
+        return len(self.running), len(self.waiting) + self.remote_kv.num_waiting_for_remote_kvs()
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
@@ -139,22 +151,13 @@ class Scheduler(RemoteKVMixin):
         num_running, num_waiting = self.get_request_counts()
         return SchedulerStats(num_running, num_waiting, self.kv_cache_manager.usage,
                               stats.queries, stats.hits, self.num_preemptions,
-                              len(self.waiting_for_remote_kvs))
+                              self.remote_kv.num_waiting_for_remote_kvs())
 
     # ---- one step ------------------------------------------------------------------------------
 
     def _admission_gated(self) -> bool:
         """Whether to admit no waiting request this step (BalanceScheduler's gate)."""
         return False
-
-    def _pick_victim(self) -> Request:
-        """Remove and return the running request to preempt: the last one under FCFS, the worst
-        (priority, arrival_time) under the priority policy."""
-        if self.policy == "priority":
-            victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
-            self.running.remove(victim)
-            return victim
-        return self.running.pop()
 
     def _preempt_request(self, request: Request, timestamp: float) -> None:
         self.kv_cache_manager.free(request)
@@ -169,8 +172,7 @@ class Scheduler(RemoteKVMixin):
         # A scheduled request's tokens count as computed at once, so that a long prompt's next
         # chunk can be scheduled before this step's output is back. The output records the counts
         # from before this step.
-        if self.finished_recving_kv_req_ids:
-            self._promote_received()
+        self.remote_kv.promote_received()
         threshold = self.scheduler_config.long_prefill_token_threshold
         step = _StepState(threshold if len(self.running) + len(self.waiting) > 1 else 0,
                           time.monotonic())
@@ -187,8 +189,7 @@ class Scheduler(RemoteKVMixin):
             finished_req_ids=self.finished_req_ids,
         )
         self.finished_req_ids = set()
-        if self.connector is not None:
-            output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        output.kv_connector_metadata = self.remote_kv.build_connector_meta(output)
         return output
 
     def _schedule_running(self, step: _StepState, token_budget: int) -> int:
@@ -233,16 +234,16 @@ class Scheduler(RemoteKVMixin):
         the victim: the running pass then stops) with the updated token_budget and req_index.
 
         The victim may have been scheduled earlier in this step. Not under FCFS: its victim is the
-        last running request, so never one before request. But the priority policy's victim is the
-        worst request anywhere in running, possibly one before req_index. Such a victim is
-        unscheduled: its tokens go back to the budget, it leaves num_scheduled_tokens and
+        last running request, so never one before request. But another policy's victim (the
+        priority policy's worst request) may be anywhere in running, before req_index too. Such a
+        victim is unscheduled: its tokens go back to the budget, it leaves num_scheduled_tokens and
         cached_reqs, the blocks it was about to fill lose their hashes (their KV will never be
         computed, so no later request may hit them in the prefix cache), and req_index moves back
         one, since removing it from running shifted request one place to the left.
         """
         kv = self.kv_cache_manager
         while True:
-            victim = self._pick_victim()
+            victim = self.policy.pick_victim(self.running)
             if victim.request_id in step.num_scheduled_tokens:
                 num_victim_tokens = step.num_scheduled_tokens.pop(victim.request_id)
                 token_budget += num_victim_tokens
@@ -257,57 +258,60 @@ class Scheduler(RemoteKVMixin):
                 return new_blocks, token_budget, req_index
 
     def _schedule_waiting(self, step: _StepState, token_budget: int) -> int:
-        """Admit WAITING requests in queue order while budget and max_num_seqs allow; returns the
-        budget left. Without chunked prefill a prompt that does not fit stops admission."""
-        kv = self.kv_cache_manager
-        threshold = step.long_prefill_threshold
-        chunked = self.scheduler_config.enable_chunked_prefill
-        full_sequence_must_fit = self.scheduler_config.scheduler_reserve_full_isl
-        waiting, running, connector = self.waiting, self.running, self.connector
-        while waiting and token_budget > 0 and len(running) < self.max_num_running_reqs:
-            request = waiting.peek_request()
-            # Only a request whose KV a connector loaded comes back with computed tokens: its
-            # blocks are allocated and its prefix-cache query counted already.
-            if resumed_from_remote := request.num_computed_tokens > 0:
-                computed_blocks, num_computed = (), request.num_computed_tokens
-            else:
-                computed_blocks, num_computed = kv.get_computed_blocks(request)
-                if connector is not None:
-                    num_external, load_async = connector.get_num_new_matched_tokens(
-                        request, num_computed)
-                    if num_external > 0:
-                        if not self._park_for_remote_kvs(request, computed_blocks, num_computed,
-                                                         num_external, load_async):
-                            break
-                        continue
-            num_new_tokens = request.num_tokens - num_computed
-            if 0 < threshold < num_new_tokens:
-                num_new_tokens = threshold
-            if not chunked and num_new_tokens > token_budget:
+        """Admit WAITING requests in the policy's order while budget and max_num_seqs allow;
+        returns the budget left."""
+        waiting, running, max_running = self.waiting, self.running, self.max_num_running_reqs
+        while waiting and token_budget > 0 and len(running) < max_running:
+            num_new_tokens = self._try_admit(waiting.peek_request(), step, token_budget)
+            if num_new_tokens is None:
                 break
-            num_new_tokens = min(num_new_tokens, token_budget)
-            # The tokens computed beyond the request's own count: the prefix hit (a request
-            # resumed from remote KV has them counted already).
-            if kv.allocate_slots(request, num_new_tokens, num_computed - request.num_computed_tokens,
-                                 computed_blocks, full_sequence_must_fit) is None:
-                break
-            waiting.pop_request()
-            if not resumed_from_remote:
-                kv.record_prefix_cache_query(request.num_tokens, num_computed)
-            if connector is not None:
-                connector.update_state_after_alloc(request, kv.get_blocks(request.request_id), 0)
-            running.append(request)
-            request.status = RUNNING
-            request.events.append(EngineCoreEvent(EngineCoreEventType.SCHEDULED, step.timestamp))
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_computed
-            request.num_computed_tokens = num_computed
-            step.new_reqs.append(NewRequestData.from_request(request,
-                                                             kv.get_block_ids(request.request_id)))
-            request.num_computed_tokens += num_new_tokens
-            step.num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
         return token_budget
+
+    def _try_admit(self, request: Request, step: _StepState, token_budget: int) -> int | None:
+        """Admit the request at the head of the waiting queue with as many of its tokens as the
+        budget, the long-prefill threshold and the KV cache allow (mini-sglang's
+        PrefillAdder.try_add_one). Returns the number of tokens scheduled (0: parked while its KV
+        comes from another instance), or None, having changed nothing, to stop admission for this
+        step: without chunked prefill a prompt that does not fit the budget stops it, and so does
+        one the KV cache has no room for."""
+        kv = self.kv_cache_manager
+        # Only a request whose KV a connector loaded comes back with computed tokens: its blocks are
+        # allocated and its prefix-cache query counted already.
+        if resumed := request.num_computed_tokens > 0:
+            computed_blocks, num_computed = (), request.num_computed_tokens
+        else:
+            computed_blocks, num_computed = kv.get_computed_blocks(request)
+            num_external = self.remote_kv.get_num_new_matched_tokens(request, num_computed)
+            if num_external > 0:
+                return self.remote_kv.park(request, computed_blocks, num_computed, num_external)
+        num_new_tokens = request.num_tokens - num_computed
+        if 0 < step.long_prefill_threshold < num_new_tokens:
+            num_new_tokens = step.long_prefill_threshold
+        if not self.scheduler_config.enable_chunked_prefill and num_new_tokens > token_budget:
+            return None
+        num_new_tokens = min(num_new_tokens, token_budget)
+        # The tokens computed beyond the request's own count: the prefix hit (a request resumed
+        # from remote KV has them counted already).
+        if kv.allocate_slots(request, num_new_tokens, num_computed - request.num_computed_tokens,
+                             computed_blocks,
+                             self.scheduler_config.scheduler_reserve_full_isl) is None:
+            return None
+        self.waiting.pop_request()
+        if not resumed:
+            kv.record_prefix_cache_query(request.num_tokens, num_computed)
+        self.remote_kv.update_state_after_alloc(request)
+        self.running.append(request)
+        request.status = RUNNING
+        request.events.append(EngineCoreEvent(EngineCoreEventType.SCHEDULED, step.timestamp))
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed
+        request.num_computed_tokens = num_computed
+        step.new_reqs.append(NewRequestData.from_request(request,
+                                                         kv.get_block_ids(request.request_id)))
+        request.num_computed_tokens += num_new_tokens
+        step.num_scheduled_tokens[request.request_id] = num_new_tokens
+        return num_new_tokens
 
     # ---- after the forward ---------------------------------------------------------------------
 
@@ -330,19 +334,6 @@ class Scheduler(RemoteKVMixin):
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
-    def _add_logprobs(self, output: EngineCoreOutput, request: Request, so: SchedulerOutput,
-                      runner_output: ModelRunnerOutput) -> EngineCoreOutput:
-        """Give output the request's sampled-token logprobs and its prompt logprobs not sent yet
-        (a chunk starts where the step's tokens for the request began)."""
-        req_id = output.request_id
-        if runner_output.logprobs is not None:
-            output.new_logprobs = runner_output.logprobs.get(req_id)
-        if runner_output.prompt_logprobs is not None and (
-                chunk := runner_output.prompt_logprobs.get(req_id)) is not None:
-            start = request.num_computed_tokens - so.num_scheduled_tokens[req_id]
-            output.new_prompt_logprobs = request.take_new_prompt_logprobs(chunk, start)
-        return output
-
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, stop finished requests, free their blocks; return the new tokens
@@ -350,40 +341,28 @@ class Scheduler(RemoteKVMixin):
         sampled_token_ids = model_runner_output.sampled_token_ids
         requests, check_stop = self.requests, self._check_stop
         outputs: list[EngineCoreOutput] = []
-        finished: list[tuple[Request, RequestStatus]] = []
-        kv_connector_output = model_runner_output.kv_connector_output
-        with_logprobs = (model_runner_output.logprobs is not None
-                         or model_runner_output.prompt_logprobs is not None)
+        finished: list[tuple[Request, RequestStatus, EngineCoreOutput]] = []
         for req_id, index in model_runner_output.req_id_to_index.items():
             new_token_ids = sampled_token_ids[index]
-            if (request := requests.get(req_id)) is None:
-                continue
-            if not new_token_ids:
-                # Mid-prefill: an output only to carry a chunk of prompt logprobs (as vLLM).
-                if with_logprobs:
-                    output = self._add_logprobs(
-                        EngineCoreOutput(req_id, [], num_cached_tokens=request.num_cached_tokens),
-                        request, scheduler_output, model_runner_output)
-                    if output.new_prompt_logprobs is not None:
-                        output.events = request.take_events() if request.events else None
-                        outputs.append(output)
+            # Mid-prefill requests sample nothing (add_logprobs may give them an output).
+            if not new_token_ids or (request := requests.get(req_id)) is None:
                 continue
             status = None
             for n, token_id in enumerate(new_token_ids):
                 request.append_output_token_id(token_id)
                 if (status := check_stop(request)) is not None:
                     new_token_ids = new_token_ids[:n + 1]
-                    finished.append((request, status))
                     break
-            outputs.append(EngineCoreOutput(
-                req_id, new_token_ids, RequestStatus.get_finished_reason(status) if status else None,
+            output = EngineCoreOutput(
+                req_id, new_token_ids,
+                RequestStatus.get_finished_reason(status) if status else None,
                 request.stop_reason, request.num_cached_tokens,
-                events=request.take_events() if request.events else None))
-            if with_logprobs:
-                self._add_logprobs(outputs[-1], request, scheduler_output, model_runner_output)
-        if finished and (kv_transfer_params := self._finish(finished)):
-            for output in outputs:
-                output.kv_transfer_params = kv_transfer_params.get(output.request_id)
-        if kv_connector_output is not None:
-            self._update_from_kv_xfer_finished(kv_connector_output)
+                events=request.take_events() if request.events else None)
+            outputs.append(output)
+            if status:
+                finished.append((request, status, output))
+        add_logprobs(outputs, requests, scheduler_output, model_runner_output)
+        if finished:
+            self._finish(finished)
+        self.remote_kv.update_from_kv_xfer_finished(model_runner_output.kv_connector_output)
         return outputs

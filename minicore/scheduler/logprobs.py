@@ -1,0 +1,49 @@
+"""The logprobs a step's outputs carry: sampled-token logprobs, and prompt logprobs chunk by chunk.
+
+Mirrors the logprobs parts of Scheduler.update_from_output (vllm/v1/core/sched/scheduler.py): the
+sampled tokens' LogprobsLists ride on their output, a chunk of prompt logprobs rides on the
+request's output of the step that computed those positions, and a request mid-prefill, which
+samples nothing, gets an output carrying only its chunk. update_from_output calls add_logprobs
+once per step, after building the outputs; without logprobs in the runner output it returns at
+once. Left out: vLLM's num_nans_in_logits and the pooling outputs.
+"""
+
+from minicore.outputs import ModelRunnerOutput
+from minicore.protocol import EngineCoreOutput
+from minicore.request import Request
+from minicore.scheduler.output import SchedulerOutput
+
+
+def add_logprobs(outputs: list[EngineCoreOutput], requests: dict[str, Request],
+                 scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
+    """Give the step's outputs (in runner order) their logprobs, adding an output for each request
+    mid-prefill with prompt logprobs not sent yet. requests: Scheduler.requests, before this
+    step's finished requests leave it."""
+    if runner_output.prompt_logprobs is not None:
+        _add_prompt_logprobs(outputs, requests, scheduler_output, runner_output)
+    if (logprobs := runner_output.logprobs) is not None:
+        for output in outputs:
+            output.new_logprobs = logprobs.get(output.request_id)
+
+
+def _add_prompt_logprobs(outputs: list[EngineCoreOutput], requests: dict[str, Request],
+                         scheduler_output: SchedulerOutput,
+                         runner_output: ModelRunnerOutput) -> None:
+    """Each chunk starts where the step's tokens for its request began; a position already sent
+    (before a preemption made the request recompute its prompt) is not sent again."""
+    by_id = {output.request_id: output for output in outputs}
+    num_outputs = len(outputs)
+    for req_id, chunk in runner_output.prompt_logprobs.items():
+        if (request := requests.get(req_id)) is None:  # aborted while the step ran
+            continue
+        start = request.num_computed_tokens - scheduler_output.num_scheduled_tokens[req_id]
+        if (output := by_id.get(req_id)) is not None:
+            output.new_prompt_logprobs = request.take_new_prompt_logprobs(chunk, start)
+        elif (new_prompt_logprobs := request.take_new_prompt_logprobs(chunk, start)) is not None:
+            outputs.append(EngineCoreOutput(
+                req_id, [], num_cached_tokens=request.num_cached_tokens,
+                events=request.take_events() if request.events else None,
+                new_prompt_logprobs=new_prompt_logprobs))
+    if len(outputs) > num_outputs:
+        index = runner_output.req_id_to_index
+        outputs.sort(key=lambda output: index[output.request_id])
