@@ -3,16 +3,10 @@
 Mirrors vllm/config/ (SchedulerConfig, CacheConfig, ParallelConfig, ModelConfig, VllmConfig), keeping
 only the knobs minicore implements. Pure Python: the scheduler imports it without torch.
 
-Each user-facing field carries its --help text in its metadata, and add_engine_cli_args makes the
-command line's engine flags from the fields, so every default is written once, here. Fields set at
-run time get no flag:
-- cache_config.num_blocks: by EngineCore from its model runner, once the runner has sized the KV
-  cache (minicore/engine/core.py).
-- parallel_config.data_parallel_rank: by the engine process entry point for its own rank
-  (run_engine_core in minicore/engine/launch.py).
-- model_config.model has a flag, but the frontend (or run_headless) resolves a .gguf file to its
-  cached safetensors directory (minicore.model.loader.resolve_model_dir) before the engine
-  processes start, so that every process reads the same files.
+Each user-facing field carries its --help text in its metadata, from which
+minicore/engine/arg_utils.py makes the flags, so every default is written once, here. Fields set at
+run time get no flag: cache_config.num_blocks (EngineCore, once its runner has sized the KV cache)
+and parallel_config.data_parallel_rank (each engine process, for its own rank).
 """
 
 from dataclasses import dataclass, field, fields

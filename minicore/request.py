@@ -8,7 +8,7 @@ Left out: multimodal inputs, LoRA, structured output, speculative tokens.
 import enum
 import time
 
-from minicore.protocol import EngineCoreEvent, EngineCoreRequest, FinishReason, LogprobsLists
+from minicore.protocol import EngineCoreEvent, EngineCoreRequest, FinishReason
 from minicore.sampling_params import SamplingParams
 
 
@@ -96,21 +96,8 @@ class Request:
 
     @property
     def skip_reading_prefix_cache(self) -> bool:
-        """vLLM's: a prefix-cache hit would skip the prompt positions whose logprobs it asked for."""
+        """vLLM's: a prefix-cache hit would skip the prompt positions it wants logprobs of."""
         return self.sampling_params.prompt_logprobs is not None
-
-    def take_new_prompt_logprobs(self, chunk: LogprobsLists, start: int) -> LogprobsLists | None:
-        """The part of chunk (the logprobs of prompt positions start, start + 1, ...) not sent
-        yet; None if it was all sent before the request was preempted and recomputed."""
-        end = start + len(chunk.sampled_token_ranks)
-        skip = self.num_prompt_logprobs_sent - start
-        if end <= self.num_prompt_logprobs_sent:
-            return None
-        self.num_prompt_logprobs_sent = end
-        if skip <= 0:
-            return chunk
-        return type(chunk)(chunk.logprob_token_ids[skip:], chunk.logprobs[skip:],
-                           chunk.sampled_token_ranks[skip:])
 
     @property
     def num_output_tokens(self) -> int:

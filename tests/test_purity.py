@@ -10,12 +10,13 @@ from pathlib import Path
 # The DP simulator steps the schedulers without torch too: `python -m minicore simulate` should
 # start in a moment.
 MODULES = ["minicore.scheduler", "minicore.request", "minicore.sampling_params",
-           "minicore.config", "minicore.outputs", "minicore.dp.simulator", "minicore.dp.sim_report"]
+           "minicore.config", "minicore.outputs", "minicore.testing", "minicore.dp.simulator",
+           "minicore.dp.sim_report"]
 FORBIDDEN = ["torch", "zmq", "transformers"]
 PACKAGE = Path(__file__).resolve().parents[1] / "minicore"
-SOURCES = sorted((PACKAGE / "scheduler").glob("*.py")) + [
+SOURCES = sorted((PACKAGE / "scheduler").rglob("*.py")) + [
     PACKAGE / name for name in ("request.py", "sampling_params.py", "config.py", "outputs.py",
-                                "dp/simulator.py", "dp/sim_report.py")]
+                                "testing.py", "dp/simulator.py", "dp/sim_report.py")]
 
 
 def _probe(modules, forbidden, pre=""):

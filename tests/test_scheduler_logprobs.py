@@ -7,6 +7,7 @@ from minicore.outputs import ModelRunnerOutput
 from minicore.protocol import LogprobsLists
 from minicore.request import Request
 from minicore.sampling_params import SamplingParams
+from minicore.scheduler.logprobs import take_new_prompt_logprobs
 from minicore.testing import default_tokens, make_request, make_scheduler, outputs_by_id
 
 
@@ -67,11 +68,11 @@ def test_a_request_without_logprobs_mid_prefill_gets_no_output():
 
 def test_prompt_positions_are_sent_once_across_a_recompute():
     request = Request("r", list(range(20)), SamplingParams(prompt_logprobs=0))
-    assert request.take_new_prompt_logprobs(_lists(range(0, 4)), 0) is not None
-    assert request.take_new_prompt_logprobs(_lists(range(4, 8)), 4) is not None
+    assert take_new_prompt_logprobs(request, _lists(range(0, 4)), 0) is not None
+    assert take_new_prompt_logprobs(request, _lists(range(4, 8)), 4) is not None
     # Preempted and recomputed from the start: what was sent is not sent again.
-    assert request.take_new_prompt_logprobs(_lists(range(0, 6)), 0) is None
-    rest = request.take_new_prompt_logprobs(_lists(range(6, 10)), 6)
+    assert take_new_prompt_logprobs(request, _lists(range(0, 6)), 0) is None
+    rest = take_new_prompt_logprobs(request, _lists(range(6, 10)), 6)
     assert rest.logprob_token_ids == [[8], [9]] and rest.sampled_token_ranks == [1, 1]
 
 

@@ -9,16 +9,18 @@ expert parallelism (--enable-expert-parallel), inside the model's forward.
 The rule that keeps ranks from hanging: every rank issues the same DP-group collectives in the
 same order, one at a time, all from this busy loop (each awaited before the next; none while a
 forward runs). One iteration of a running wave issues, in this order:
-  1. exactly one forward: the step's or, with nothing scheduled, a dummy batch; with the simulated
-     runner either one is followed by max_step_time (its stand-in for an MoE model's all-to-alls);
+  1. exactly one forward: the step's or, with nothing scheduled, a dummy batch; with a runner
+     whose forwards report a step time (the simulated one, minicore/model/registry.py) either one
+     is followed by max_step_time (its stand-in for an MoE model's all-to-alls);
   2. every 32nd step of the wave: has_global_unfinished_reqs;
   3. with balance scheduling: gather_running_counts (or max_running_count, with
      --balance-count-sync all-reduce-max), on every iteration, dummy ones included (a gather
      inside schedule(), or before the idle check, deadlocks: a drained rank never schedules).
 The dummy batch is why a rank with no work still runs iterations while the wave runs: it keeps the
-rank issuing 1-3 with its peers. For the dense transformers runner the dummy forward itself
-exchanges nothing (the replicas meet only at 2 and 3); for the simulated runner it also keeps the
-step-time all-reduce in step.
+rank issuing 1-3 with its peers (when it runs, and which steps sync, are minicore/dp/wave.py's
+rules, which the policy simulator follows too). For the dense transformers runner the dummy forward
+itself exchanges nothing (the replicas meet only at 2 and 3); for the simulated runner it also
+keeps the step-time all-reduce in step.
 
 With expert parallelism every forward, dummy ones included, issues the model's own collectives on
 a second group of the same ranks (DPGroup.new_expert_parallel_group; minicore/model/
@@ -50,15 +52,14 @@ from torch.distributed import ProcessGroup
 
 from minicore.config import EngineConfig
 from minicore.dp.group import DPGroup
+from minicore.dp.wave import is_sync_step, runs_dummy_batch
 from minicore.engine.core_proc import HANDSHAKE_TIMEOUT_S, EngineCoreProc
 from minicore.model.expert_parallel import shard_experts
 from minicore.model.loader import resolve_device
+from minicore.model.registry import MODEL_RUNNERS, runner_info
 from minicore.protocol import EngineCoreRequestType
 
 logger = logging.getLogger(__name__)
-
-# vLLM's: the unfinished-requests all-reduce runs every this many steps of a wave.
-STEPS_PER_SYNC = 32
 
 
 class DPEngineCoreProc(EngineCoreProc):
@@ -72,20 +73,26 @@ class DPEngineCoreProc(EngineCoreProc):
         self.dp_rank = engine_index
         self.balance = config.scheduler_config.balance_scheduling
         self.count_sync = config.scheduler_config.balance_count_sync
-        self.simulated = config.model_config.runner == "simulated"
         self.expert_parallel = config.parallel_config.enable_expert_parallel
         self.dp_group: DPGroup | None = None
         self.ep_group: ProcessGroup | None = None
         self._monitor: zmq.Socket | None = None
+        # Bound once: the balance gate's count sync after every step (none without the gate),
+        # and, for a runner whose forwards report a step time, forwards kept in lockstep.
+        self._sync_balance_counts = self._choose_balance_count_sync()
+        if runner_info(config.model_config.runner).reports_step_time:
+            self._run_forward = self._run_forward_in_lockstep
         super().__init__(config, handshake_address, engine_index, handshake_timeout)
 
     def _init_data_parallel(self, config: EngineConfig) -> None:
         pc = config.parallel_config
         self.dp_group = DPGroup(self.dp_rank, pc.data_parallel_size, pc.data_parallel_address,
                                 pc.data_parallel_rpc_port, timeout_s=HANDSHAKE_TIMEOUT_S)
+        runners = list(MODEL_RUNNERS)
         self.dp_group.check_same_config({
             "--balance-scheduling": int(self.balance),
-            "--runner simulated": int(self.simulated),
+            f"--runner ({', '.join(f'{i} = {name}' for i, name in enumerate(runners))})":
+                runners.index(config.model_config.runner),
             "--balance-count-sync all-reduce-max": int(self.count_sync == "all-reduce-max"),
             "--enable-expert-parallel": int(self.expert_parallel),
         })
@@ -152,12 +159,12 @@ class DPEngineCoreProc(EngineCoreProc):
             if not executed:
                 # A step that ran sent its stats; one skipped may leave inputs' changes unsent.
                 self._publish_stats_if_changed()
-                if not local_unfinished_reqs and not self.engines_running:
-                    continue  # every rank is idle
+            if runs_dummy_batch(executed, local_unfinished_reqs, self.engines_running):
                 await self._run_forward(self.model_runner.execute_dummy_batch)
+            elif not executed:
+                continue  # every rank is idle
             self.engines_running = await self._has_global_unfinished_reqs(local_unfinished_reqs)
-            if self.balance:
-                self.scheduler.balance_counts = await self._sync_running_counts()
+            await self._sync_balance_counts()
             if not self.engines_running:
                 self._end_wave()
 
@@ -177,28 +184,42 @@ class DPEngineCoreProc(EngineCoreProc):
             self._handle_client_request(*await self.input_queue.get())
         self._drain_input_queue()
 
-    async def _run_forward(self, fn, *args):
-        """A forward (or dummy batch); the simulated runner's then waits, in lockstep, for the
-        slowest rank's step time. Only a forward that ran a batch reports a step time, so every
-        rank issues max_step_time exactly once per iteration of a running wave."""
+    async def _run_forward_in_lockstep(self, fn, *args):
+        """_run_forward for a runner whose forwards report a step time (the simulated one): a
+        forward (or dummy batch), then a wait, in lockstep, for the slowest rank's step time. Only
+        a forward that ran a batch reports one, so every rank issues max_step_time exactly once
+        per iteration of a running wave."""
         output = await super()._run_forward(fn, *args)
-        if self.simulated and (step := self.model_runner.pop_step_time()) is not None:
+        if (step := self.model_runner.pop_step_time()) is not None:
             start, seconds = step
             seconds = await self.dp_group.max_step_time(seconds)
             await super()._run_forward(time.sleep, max(0.0, start + seconds - time.perf_counter()))
         return output
 
-    async def _sync_running_counts(self) -> list[int]:
-        num_running = len(self.scheduler.running)
+    def _choose_balance_count_sync(self):
+        """How the balance gate learns the ranks' running counts after each step, by
+        --balance-count-sync; without balance scheduling, no collective."""
+        if not self.balance:
+            return self._skip_balance_counts
         if self.count_sync == "all-reduce-max":
-            # The gate reads only max(balance_counts): the maximum alone decides the same.
-            return [await self.dp_group.max_running_count(num_running)]
-        return await self.dp_group.gather_running_counts(num_running)
+            return self._max_running_count
+        return self._gather_running_counts
+
+    async def _skip_balance_counts(self) -> None:
+        """Without balance scheduling: no collective, no counts."""
+
+    async def _gather_running_counts(self) -> None:
+        self.scheduler.balance_counts = await self.dp_group.gather_running_counts(
+            len(self.scheduler.running))
+
+    async def _max_running_count(self) -> None:
+        # The gate reads only max(balance_counts): the maximum alone decides the same.
+        self.scheduler.balance_counts = [
+            await self.dp_group.max_running_count(len(self.scheduler.running))]
 
     async def _has_global_unfinished_reqs(self, local_unfinished: bool) -> bool:
-        # vLLM's optimisation: only every 32nd step pays for the all-reduce.
         self.step_counter += 1
-        if self.step_counter % STEPS_PER_SYNC != 0:
+        if not is_sync_step(self.step_counter):
             return True
         return await self.dp_group.has_global_unfinished_reqs(local_unfinished)
 

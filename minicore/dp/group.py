@@ -14,23 +14,13 @@ per engine process. The collectives are the only way ranks talk during a wave:
                               simulated model has no all-to-all for)
 
 Each is a coroutine: the blocking call runs on one dedicated thread while the event loop keeps
-socket IO flowing, and the busy loop awaits each before it issues the next, so every rank issues
-them one at a time, in its loop's order (minicore/dp/engine.py states that order). A peer that dies
-fails the pending collective within a second or so (gloo sees its sockets close); one that hangs
-fails it after timeout_s.
-
-Every socket of the group listens on the DP address only. Rank 0 binds the rendezvous store's
-socket itself, on address:port, and hands it to torch's TCPStore (whose own listens on every
-interface); the other ranks connect to it. gloo's sockets (the collectives' data connections) bind
-to the same address on rank 0's machine, elsewhere to the local address that reaches it (gloo's
-default: whatever the hostname resolves to). For that the group is built by hand, a ProcessGroup
-with a ProcessGroupGloo backend as in vLLM's stateless_init_torch_distributed_process_group
-(vllm/distributed/utils.py): init_process_group ignores a gloo backend's options, its devices
-included. So the group is not torch's default one, and every collective names it.
-
-With expert parallelism the same ranks form a second group (new_expert_parallel_group) for the
-model's own collectives, gloo on the CPU and NCCL on CUDA, as vLLM's DP deployments build their
-EP group from the DP ranks. Left out: NCCL for the DP loop's own collectives (tiny, and gloo runs
+socket IO flowing, and the busy loop awaits each before it issues the next (minicore/dp/engine.py
+states their order). A dead peer fails the pending collective within a second or so; a hung one
+after timeout_s. The group is built by hand (a ProcessGroup with a ProcessGroupGloo backend, as
+vLLM's stateless_init_torch_distributed_process_group in vllm/distributed/utils.py), so that every
+socket binds the DP address only (docs/DATA_PARALLEL.md, "What a deployment exposes"). With expert
+parallelism the same ranks form a second group for the model's own collectives
+(new_expert_parallel_group). Left out: NCCL for the DP loop's own collectives (tiny; gloo runs
 everywhere).
 """
 

@@ -16,9 +16,15 @@ from dataclasses import fields
 from pathlib import Path
 
 from minicore.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from minicore.dp.simulator import (
+    CostModel,
+    DPSimulator,
+    SimConfig,
+    SimRequest,
+    StepRecord,
+    make_random_workload,
+)
 from minicore.engine.arg_utils import add_engine_cli_args
-from minicore.dp.simulator import CostModel, DPSimulator, SimConfig, SimRequest, StepRecord, \
-    make_random_workload
 
 THRESHOLDS = ("full", "one-short")
 # The engine settings a simulated rank has; every other engine flag is left out.

@@ -7,7 +7,8 @@ model's output, and with balance scheduling set every rank's balance_counts to t
 after the step (the gather of vllm-ascend PR #5212). No processes, sockets or torch: the forward
 is a cost model, and simulated time advances by the slowest rank's step, as an MoE model's
 all-to-alls make every rank wait for the others. A rank with nothing scheduled in a running wave
-runs a dummy step; a wave ends at the every-32-steps check that finds no rank with work.
+runs a dummy step; a wave ends at the every-32-steps check that finds no rank with work: the
+engine's own rules, imported from minicore/dp/wave.py, as the gate is BalanceScheduler's own.
 
 The model emits made-up tokens: one when a prompt completes, and per decode step 1 +
 Binomial(K, P) with K speculative tokens accepted at rate P (vLLM's speculative decoding: the
@@ -23,15 +24,13 @@ import random
 from dataclasses import dataclass, field
 
 from minicore.config import CacheConfig, SchedulerConfig
+from minicore.dp.wave import is_sync_step, runs_dummy_batch
 from minicore.outputs import ModelRunnerOutput
 from minicore.request import Request
 from minicore.sampling_params import SamplingParams
 from minicore.scheduler.balance import BalanceScheduler
 from minicore.scheduler.output import SchedulerOutput
 from minicore.scheduler.scheduler import Scheduler
-
-# As the DP engine: the unfinished-requests all-reduce, which can end a wave, every 32 steps.
-STEPS_PER_SYNC = 32
 
 
 @dataclass(slots=True)
@@ -99,11 +98,13 @@ class SimConfig:
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+            raise ValueError("num_speculative_tokens must be >= 0, got "
+                             f"{self.num_speculative_tokens}")
         if not 0.0 <= self.acceptance_rate <= 1.0:
             raise ValueError(f"acceptance_rate must be in [0, 1], got {self.acceptance_rate}")
         if not self.request_rate > 0:
-            raise ValueError(f"request_rate must be > 0 (inf: all at once), got {self.request_rate}")
+            raise ValueError("request_rate must be > 0 (inf: all at once), got "
+                             f"{self.request_rate}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
 
@@ -211,14 +212,15 @@ class DPSimulator:
             [len(so.scheduled_new_reqs) for so in outputs],
             any(has_prefill for _, has_prefill in costs)))
         self.step_counter += 1
-        if self.step_counter % STEPS_PER_SYNC == 0 and not self._any_unfinished():
+        if is_sync_step(self.step_counter) and not self._any_unfinished():
             self.engines_running = False
             self.step_counter = 0
 
     def _step_cost(self, scheduler: Scheduler, so: SchedulerOutput) -> tuple[float, bool]:
         """The rank's step time, and whether it computed prompt tokens. With nothing scheduled it
         runs a dummy step, the time of one decode."""
-        if not so.num_scheduled_tokens:
+        executed = so.total_num_scheduled_tokens > 0
+        if runs_dummy_batch(executed, scheduler.has_requests(), self.engines_running):
             return self.config.cost.step_seconds(1, 0, 0), False
         num_decodes = num_prefill = num_context = 0
         for req_id, n in so.num_scheduled_tokens.items():

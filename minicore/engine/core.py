@@ -19,6 +19,7 @@ from minicore.config import EngineConfig
 from minicore.engine.input_processor import validate_prompt_token_ids, validate_sampling_params
 from minicore.kv_transfer.base import KVConnectorBase_V1, KVConnectorRole
 from minicore.kv_transfer.worker import execute_model_with_kv_connector
+from minicore.model.registry import runner_info
 from minicore.model.runner_base import ModelRunnerInterface
 from minicore.outputs import ModelRunnerOutput
 from minicore.protocol import EngineCoreOutput
@@ -31,9 +32,10 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig, model=None, tokenizer=None):
         """model/tokenizer: an already loaded transformers model and its tokenizer; by default
-        they are loaded from config.model_config. With model_config.runner == "simulated" no
-        model is loaded (nor torch imported): a SimulatedModelRunner makes up the tokens."""
+        they are loaded from config.model_config. A runner that needs no weights (the simulated
+        one, minicore/model/registry.py) loads no model (nor imports torch)."""
         self.config = config
+        self.runner_info = runner_info(config.model_config.runner)
         self.model_runner: ModelRunnerInterface = self._make_model_runner(config, model, tokenizer)
         # The one place num_blocks is set at run time: the runner has sized the KV cache.
         config.cache_config.num_blocks = self.model_runner.num_blocks
@@ -61,15 +63,12 @@ class EngineCore:
         return KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER), worker
 
     def _make_model_runner(self, config: EngineConfig, model, tokenizer):
-        if config.model_config.runner == "simulated":
-            from minicore.model.simulated import SimulatedModelRunner
-
-            return SimulatedModelRunner(config)
-        from minicore.model.runner import ModelRunner
-
+        runner_cls = self.runner_info.load_class()
+        if not self.runner_info.needs_weights:
+            return runner_cls(config)
         if model is None:
             model, tokenizer = self._load_model(config)
-        return ModelRunner(config, model, tokenizer)
+        return runner_cls(config, model, tokenizer)
 
     def _load_model(self, config: EngineConfig):
         """(model, tokenizer) from config.model_config, ready for the runner, whose first forward
@@ -85,7 +84,7 @@ class EngineCore:
                                   self.config.scheduler_config.max_model_len)
         validate_sampling_params(request.sampling_params, self.model_runner.vocab_size,
                                  self.config.model_config.max_logprobs,
-                                 self.config.model_config.runner != "simulated")
+                                 self.runner_info.has_logits)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -120,7 +119,8 @@ def make_scheduler(config: EngineConfig, connector: KVConnectorBase_V1 | None = 
 
 
 def _check_kv_cache_fits(config: EngineConfig) -> None:
-    """A cache that cannot hold one request of max_model_len would preempt such a request forever."""
+    """A cache that cannot hold one request of max_model_len would preempt such a request
+    forever."""
     num_blocks, block_size = config.cache_config.num_blocks, config.cache_config.block_size
     max_model_len = config.scheduler_config.max_model_len
     needed = -(-max_model_len // block_size) + 1

@@ -5,16 +5,10 @@ Mirrors EngineCoreProc in vllm/v1/engine/core.py: the engine's side of the start
 process_output_sockets, run_busy_loop and _send_engine_dead. Where vLLM runs two IO threads around
 a blocking busy loop and hands messages over in queue.Queues, minicore runs one uvloop event loop
 per engine process: the socket IO and the busy loop are coroutines joined by asyncio.Queues, and
-only the model forward leaves the loop, for one dedicated worker thread, so sockets keep flowing
-while the model runs.
-
-With a KV connector, the loop also steps while the scheduler only holds blocks for a peer or waits
-for remote KV (Scheduler.has_requests): each such step polls the connector's transfers, and between
-them the loop waits for input at most KV_POLL_INTERVAL_S instead of indefinitely.
-
-Data parallelism (waves, collectives) is DPEngineCoreProc's, in minicore/dp/engine.py. Left out:
-several frontends per engine, the batch queue for pipeline parallelism, structured output, request
-preprocessing caches.
+only the model forward leaves the loop, for one worker thread. The loop steps while the scheduler
+has requests (Scheduler.has_requests), polling every KV_POLL_INTERVAL_S when a step computes
+nothing. Data parallelism is DPEngineCoreProc's (minicore/dp/engine.py). Left out: several
+frontends per engine, the batch queue, structured output, request preprocessing caches.
 """
 
 import asyncio

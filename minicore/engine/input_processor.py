@@ -6,7 +6,7 @@ SamplingParams.verify and update_from_tokenizer (vllm/sampling_params.py): a tex
 tokenized (with the tokenizer's special tokens unless add_special_tokens=False, as vLLM; a chat
 template already holds them), truncate_prompt_tokens keeps the prompt's last tokens, token ids must
 be integers in the vocabulary, the prompt must hold 1 to max_model_len - 1 tokens (room for one
-output token, as in vLLM), a priority needs the priority policy and a DP rank must exist; text must
+output token, as in vLLM), a priority needs a policy using them and a DP rank must exist; text must
 be valid Unicode and integers must fit in 64 bits (SamplingParams checks its own fields). bad_words
 become bad_words_token_ids; logit_bias, allowed_token_ids, stop ids and bad words must be in the
 vocabulary, and logprobs within --max-logprobs; the generation config's extra EOS ids join
@@ -20,8 +20,11 @@ import dataclasses
 import time
 
 from minicore.config import EngineConfig
+from minicore.model.registry import runner_info
 from minicore.protocol import EngineCoreRequest
-from minicore.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, check_text
+from minicore.sampling_checks import INT64_MAX, INT64_MIN, check_text
+from minicore.sampling_params import SamplingParams
+from minicore.scheduler.policies import get_policy, policy_names
 
 Prompt = str | list[int]
 
@@ -39,10 +42,10 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = config.scheduler_config.max_model_len
-        self.policy = config.scheduler_config.policy
+        self.policy = get_policy(config.scheduler_config.policy)
         self.num_engines = config.parallel_config.data_parallel_size
         self.max_logprobs = config.model_config.max_logprobs
-        self.has_logits = config.model_config.runner != "simulated"
+        self.has_logits = runner_info(config.model_config.runner).has_logits
         # vLLM's update_from_generation_config: the generation config's other EOS ids stop too.
         eos_ids = config.model_config.try_get_generation_config().get("eos_token_id")
         eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or ())
@@ -61,9 +64,10 @@ class InputProcessor:
                 INT64_MIN <= priority <= INT64_MAX):
             raise InvalidRequestError(f"priority must be a 64-bit integer, got {priority!r}",
                                       "priority")
-        if priority != 0 and self.policy != "priority":
-            raise InvalidRequestError(f"priority {priority} needs the priority scheduling policy "
-                                      "(--scheduling-policy priority)", "priority")
+        if priority != 0 and not self.policy.uses_priority:
+            names = " or ".join(n for n in policy_names() if get_policy(n).uses_priority)
+            raise InvalidRequestError(f"priority {priority} needs a scheduling policy that uses "
+                                      f"priorities (--scheduling-policy {names})", "priority")
         if data_parallel_rank is not None and not 0 <= data_parallel_rank < self.num_engines:
             raise InvalidRequestError(
                 f"data_parallel_rank {data_parallel_rank} is out of range: there are "

@@ -32,6 +32,7 @@ from minicore.arg_utils import derived_max_model_len, read_json_file
 from minicore.config import EngineConfig
 from minicore.engine.core_proc import HANDSHAKE_TIMEOUT_S, EngineCoreProc
 from minicore.logger import configure_logging, init_logger
+from minicore.model.registry import runner_info
 
 logger = init_logger(__name__)
 
@@ -149,8 +150,8 @@ def log_engine_config(config: EngineConfig, runner) -> None:
 
 def _configure_process(config: EngineConfig, engine_index: int) -> None:
     configure_logging(f"EngineCore_DP{engine_index}")  # vLLM's name for an engine process
-    if config.model_config.runner == "simulated":
-        return
+    if not runner_info(config.model_config.runner).needs_weights:
+        return  # no torch to configure
     import torch
 
     device = config.model_config.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -245,8 +246,8 @@ def _visible_device(config: EngineConfig, local_rank: int):
     """On CUDA with several local DP ranks, the process started here sees only its own GPU (as
     vLLM sets CUDA_VISIBLE_DEVICES per engine process)."""
     mc = config.model_config
-    if (config.parallel_config.data_parallel_size_local < 2 or mc.runner == "simulated"
-            or (mc.device or "cuda").startswith("cpu")):
+    if (config.parallel_config.data_parallel_size_local < 2
+            or not runner_info(mc.runner).needs_weights or (mc.device or "cuda").startswith("cpu")):
         yield
         return
     import torch

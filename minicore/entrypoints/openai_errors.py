@@ -10,7 +10,7 @@ from http import HTTPStatus
 
 import msgspec
 
-from minicore.sampling_params import check_text
+from minicore.sampling_checks import check_text
 
 # Error types named after the openai SDK's exception classes, as vLLM names them.
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",

@@ -10,6 +10,9 @@ Mirrors vLLM v1's attention backend layer, reduced to a torch implementation:
   the cache write is ``reshape_and_cache_flash``;
 - the attention itself follows the torch SDPA path of ``vllm/v1/attention/backends/cpu_attn.py``:
   one batched SDPA call for all single-token (decode) sequences, one call per prefill sequence;
+- how the decode sequences read their keys is a ``DecodeAttention`` the runner chooses once, as
+  vLLM picks an attention backend by platform: ``GatheredDecode``, the padded gather of their
+  blocks, by default; on CPU per-request rows read in place (``minicore/model/decode_kv.py``);
 - sliding windows and attention-logit soft-capping as ``FlashAttentionImpl`` takes them
   (``sliding_window``, ``logits_soft_cap``; Gemma2 / Gemma3, Mistral, ...): a key is seen from
   ``sliding_window - 1`` positions back, and capped scores are ``cap * tanh(score / cap)``, computed
@@ -28,14 +31,15 @@ hands through every layer to the attention function.
 
 from __future__ import annotations
 
+from collections.abc import Container
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
 
-from minicore.model.decode_kv import RowKV, fill_rows, pooled_decode_attention, write_rows
 from minicore.model.loader import check_attention_supported
 
 ATTN_IMPLEMENTATION = "minicore_paged"
@@ -46,6 +50,52 @@ _UNSUPPORTED_KWARGS = {"s_aux": "attention sinks", "sinks": "attention sinks",
                        "position_bias": "relative position bias",
                        "indices": "sparse attention (top-k indices)",
                        "block_indices": "block-sparse attention"}
+
+
+class DecodeAttention(Protocol):
+    """How one step's decode sequences (one new token each) read their keys and values. The
+    default, GatheredDecode, reads the paged cache; a runner may plug in another once, at
+    construction (on CPU, per-request rows: minicore/model/decode_kv.py)."""
+
+    def update_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor,
+                  kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        """After the step's K/V of ``layer`` are in the paged cache: keep whatever else it reads
+        (``key``, ``value``: ``[T, kv_heads, head_dim]``)."""
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+               meta: AttentionMetadata, scaling: float, window: int | None,
+               softcap: float | None) -> torch.Tensor:
+        """Attention of ``q`` (``[Bd, kv_heads, group, head_dim]``: the decode sequences in
+        order, GQA's query heads grouped by KV head) over each one's ``meta.decode_seq_lens``
+        keys; the same shape back."""
+
+
+class GatheredDecode:
+    """Decode attention on the paged cache alone: every decode sequence's blocks gathered into
+    one padded batch, one masked SDPA call (the torch path of ``cpu_attn.py``). The planner too:
+    it keeps no state, so each step's plan is itself."""
+
+    def plan(self, req_ids: list[str], computed: list[int], num_new: list[int],
+             live: Container[str]) -> GatheredDecode:
+        return self
+
+    def update_kv(self, layer, key, value, kv_cache, meta) -> None:
+        pass  # it reads the paged cache only
+
+    def attend(self, q, kv_cache, layer, meta, scaling, window, softcap) -> torch.Tensor:
+        """Masked by length (and by the window: the last ``window`` keys). GQA: the query heads
+        sharing a KV head are that head's query rows (no KV repeat)."""
+        k, v = _gather_kv(kv_cache, meta.decode_block_tables)
+        mask = meta.decode_mask
+        if window is not None:
+            kv_pos = torch.arange(mask.shape[-1], device=mask.device)
+            mask = mask & (kv_pos >= meta.decode_seq_lens - window)
+        if softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+        return _softcapped_attention(q, k, v, mask, scaling, softcap)
+
+
+GATHERED_DECODE = GatheredDecode()
 
 
 @dataclass(slots=True)
@@ -67,8 +117,8 @@ class AttentionMetadata:
     decode_mask: torch.Tensor  # [Bd, 1, 1, blocks * block_size] bool, True below seq_len
     decode_seq_lens: torch.Tensor  # [Bd, 1, 1, 1] int64, their seq_lens (for sliding windows)
     prefill_seqs: list[int]  # the other sequences, attended one by one
-    # Per-request KV rows that decode attention reads instead of gathering (decode_kv.py).
-    row_kv: RowKV | None = None
+    # How the decodes read their keys this step: the runner's plugged-in way, or the gather.
+    decode_attention: DecodeAttention = GATHERED_DECODE
 
     @classmethod
     def build(
@@ -77,7 +127,7 @@ class AttentionMetadata:
         num_computed_tokens: list[int],
         num_new_tokens: list[int],
         kv_caches: list[torch.Tensor],
-        row_kv: RowKV | None = None,
+        decode_attention: DecodeAttention = GATHERED_DECODE,
     ) -> AttentionMetadata:
         """Metadata for sequences whose first ``num_computed_tokens[i]`` tokens are already cached
         and whose next ``num_new_tokens[i]`` tokens are in this batch, in that order."""
@@ -107,7 +157,7 @@ class AttentionMetadata:
             decode_mask=decode_mask[:, None, None, :].to(device),
             decode_seq_lens=seq_lens[decodes].view(-1, 1, 1, 1).to(device),
             prefill_seqs=(new > 1).nonzero().flatten().tolist(),
-            row_kv=row_kv,
+            decode_attention=decode_attention,
         )
 
 
@@ -186,10 +236,7 @@ def paged_attention_forward(
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, head_dim]
     write_kv_cache(kv_cache, k, v, meta.slot_mapping)
     layer = module.layer_idx
-    if meta.row_kv is not None:
-        pools = [chunk[layer] for chunk in meta.row_kv.pools]
-        write_rows(pools, k, v, meta.row_kv)
-        fill_rows(pools, kv_cache, meta.block_tables, meta.row_kv)
+    meta.decode_attention.update_kv(layer, k, v, kv_cache, meta)
 
     def decode(q_decode: torch.Tensor) -> torch.Tensor:
         return _decode_attention(q_decode, kv_cache, layer, meta, scaling, window, softcap)
@@ -243,26 +290,12 @@ def _decode_attention(
     window: int | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    """All single-query sequences at once, masked by length (and by the window: the last
-    ``window`` keys). GQA: the query heads sharing a KV head become that head's query rows (no KV
-    repeat). Reads the per-request rows' pools (decode_kv.py) where the step has them, else one
-    padded gather of every sequence's blocks."""
+    """All single-query sequences at once, as the step's decode attention reads them
+    (GatheredDecode's gather by default), with GQA's query heads grouped by their KV head."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    seq_lens = meta.decode_seq_lens
-    if meta.row_kv is not None:
-        out = pooled_decode_attention(q, layer, meta.row_kv, seq_lens, scaling, window, softcap)
-        return out.reshape(num_seqs, num_heads, head_dim)
-    k, v = _gather_kv(kv_cache, meta.decode_block_tables)
-    mask = meta.decode_mask
-    if window is not None:
-        kv_pos = torch.arange(mask.shape[-1], device=mask.device)
-        mask = mask & (kv_pos >= seq_lens - window)
-    if softcap is None:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
-    else:
-        out = _softcapped_attention(q, k, v, mask, scaling, softcap)
+    out = meta.decode_attention.attend(q, kv_cache, layer, meta, scaling, window, softcap)
     return out.reshape(num_seqs, num_heads, head_dim)
 
 

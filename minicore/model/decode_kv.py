@@ -20,16 +20,20 @@ read it); every new token is written to both. A request that arrives with tokens
 (a prefix-cache hit) has them copied from the paged cache once. The pools never hold more slots
 than the paged cache, so they at most double the KV memory; a step that would need more drops them
 and decode attention gathers blocks instead. CPU only: on CUDA the KV cache is sized from the free
-memory and has nothing to spare.
+memory and has nothing to spare. The runner plugs DecodeKVBuffers in on CPU at construction as the
+decode attention of minicore/model/attention.py (DecodeAttention): its plan for a step, a RowKV,
+updates the rows and attends; the kernel or torch is chosen once, when the buffers are built.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 
 import torch
 
+from minicore.model.attention import GATHERED_DECODE, AttentionMetadata, GatheredDecode
 from minicore.model.native import decode_attention
 
 CHUNK_SIZE = 256
@@ -49,18 +53,31 @@ class ChunkView:
 
 @dataclass(slots=True)
 class RowKV:
-    """One step's plan, handed to the attention through AttentionMetadata."""
+    """One step's plan: the DecodeAttention (attention.py) the runner's AttentionMetadata
+    carries while the pools fit."""
     pools: list[list[torch.Tensor]]  # per chunk, per layer [2, capacity, kv_heads, chunk, dim]
     chunk_size: int
     writes: list[tuple[int, torch.Tensor | None, torch.Tensor]]  # (chunk, token rows or None
     # for all of them, [tokens, kv_heads] flat index of each token's heads in the pool)
     fills: list[tuple[int, list[int], int]]  # (sequence, its slots, its computed tokens): to
     # copy from the paged cache
-    views: list[ChunkView]  # the pools decode attention reads (empty when the kernel reads)
     max_len: int  # longest decoding sequence
+    attention: Callable[..., torch.Tensor]  # kernel_decode_attention or pooled_decode_attention
+    views: list[ChunkView]  # the pools decode attention reads (empty when the kernel reads)
     kernel: ctypes.CDLL | None  # native.py's decode attention, which reads through:
     slots: torch.Tensor | None  # [decoding sequences, chunks] each one's slot in each pool
     pointers: torch.Tensor | None  # [layers, 2, chunks] addresses of the key and value pools
+
+    def update_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor,
+                  kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        pools = [chunk[layer] for chunk in self.pools]
+        write_rows(pools, key, value, self)
+        fill_rows(pools, kv_cache, meta.block_tables, self)
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+               meta: AttentionMetadata, scaling: float, window: int | None,
+               softcap: float | None) -> torch.Tensor:
+        return self.attention(q, layer, self, meta.decode_seq_lens, scaling, window, softcap)
 
 
 class DecodeKVBuffers:
@@ -71,15 +88,20 @@ class DecodeKVBuffers:
         _, num_blocks, block_size, self.num_kv_heads, self.head_dim = kv_caches[0].shape
         self.num_layers, self.dtype = len(kv_caches), kv_caches[0].dtype
         self.kernel = kernel if self.dtype == torch.float32 else None  # native.py: float32 only
+        # How decode attention reads the pools, chosen once: the kernel, else torch over views.
+        self._reads = self._kernel_reads if self.kernel is not None else self._view_reads
         self.max_slots = num_blocks * block_size
         self.chunk_size = chunk_size
         self.pools: list[list[torch.Tensor]] = []
         self.owners: list[list[str]] = []  # per pool, the request of each used slot
         self.slots: dict[str, list[int]] = {}  # per request, its slot in pool 0, 1, ...
 
-    def plan(self, req_ids: list[str], computed: list[int], seq_lens: list[int],
-             decodes: list[int], live: set[str]) -> RowKV | None:
-        """This step's writes and reads (sequences in batch order), or None: gather this step."""
+    def plan(self, req_ids: list[str], computed: list[int], num_new: list[int],
+             live: Container[str]) -> RowKV | GatheredDecode:
+        """This step's writes and reads (sequences in batch order; live: every request the
+        runner holds), or, when the pools do not fit, the gather for this step."""
+        seq_lens = [c + n for c, n in zip(computed, num_new)]
+        decodes = [seq for seq, n in enumerate(num_new) if n == 1]
         for req_id in [r for r in self.slots if r not in live]:
             self._release(req_id)
         fills = []
@@ -89,14 +111,20 @@ class DecodeKVBuffers:
             self._extend(req_id, -(-seq_len // self.chunk_size))
         if not self._reserve():
             self.pools, self.owners, self.slots = [], [], {}  # refilled when they fit again
-            return None
-        native = self.kernel is not None
+            return GATHERED_DECODE
         return RowKV(self.pools, self.chunk_size, self._writes(req_ids, computed, seq_lens),
                      [(seq, self.slots[req_ids[seq]], computed[seq]) for seq in fills],
-                     [] if native else self._views(req_ids, seq_lens, decodes),
-                     max((seq_lens[seq] for seq in decodes), default=0), self.kernel,
-                     self._decode_slots(req_ids, decodes) if native else None,
-                     self._pointers() if native else None)
+                     max((seq_lens[seq] for seq in decodes), default=0),
+                     *self._reads(req_ids, seq_lens, decodes))
+
+    def _kernel_reads(self, req_ids: list[str], seq_lens: list[int], decodes: list[int]):
+        """RowKV's reads for the kernel: each decoding sequence's slots, the pools' addresses."""
+        return (kernel_decode_attention, [], self.kernel, self._decode_slots(req_ids, decodes),
+                self._pointers())
+
+    def _view_reads(self, req_ids: list[str], seq_lens: list[int], decodes: list[int]):
+        """RowKV's reads for torch: one view per pool that a decoding sequence reaches."""
+        return pooled_decode_attention, self._views(req_ids, seq_lens, decodes), None, None, None
 
     def _extend(self, req_id: str, num_chunks: int) -> None:
         slots = self.slots.setdefault(req_id, [])
@@ -219,21 +247,25 @@ def fill_rows(pools: list[torch.Tensor], kv_cache: torch.Tensor, block_tables: t
             pools[chunk][:, slots[chunk], :, :width] = kv[:, start:start + width].transpose(1, 2)
 
 
+def kernel_decode_attention(q: torch.Tensor, layer: int, rows: RowKV, seq_lens: torch.Tensor,
+                            scaling: float, window: int | None,
+                            softcap: float | None) -> torch.Tensor:
+    """pooled_decode_attention by the native kernel (native.py: 0.93 against 1.46 ms a layer at
+    64 sequences of ~190 tokens, SmolLM2-135M, two AVX2 cores)."""
+    return decode_attention(rows.kernel, q, rows.pointers[layer], rows.slots, seq_lens.view(-1),
+                            rows.chunk_size, rows.max_len, scaling, window, softcap)
+
+
 def pooled_decode_attention(q: torch.Tensor, layer: int, rows: RowKV, seq_lens: torch.Tensor,
                             scaling: float, window: int | None,
                             softcap: float | None) -> torch.Tensor:
     """Decode attention of ``q`` (``[Bd, kv_heads, group, head_dim]``, the decoding sequences in
-    order; ``seq_lens`` ``[Bd, 1, 1, 1]``) over the pools of ``layer``: by the native kernel
-    where there is one (native.py: 0.93 against 1.46 ms a layer at 64 sequences of ~190 tokens,
-    SmolLM2-135M, two AVX2 cores), else in torch: per chunk, one matmul over its used slots for
-    the scores, one softmax over every chunk's scores, per chunk one matmul for the values. Slots
-    of requests that are not decoding this step land in an extra row, dropped. Plain matmuls
-    rather than SDPA: for decode's few query rows per KV head, SDPA's CPU flash kernel took 1.6 ms
-    a layer where these take 1.0; and they take the soft-cap, which SDPA has not."""
-    if rows.kernel is not None:
-        return decode_attention(rows.kernel, q, rows.pointers[layer], rows.slots,
-                                seq_lens.view(-1), rows.chunk_size, rows.max_len, scaling,
-                                window, softcap)
+    order; ``seq_lens`` ``[Bd, 1, 1, 1]``) over the pools of ``layer``, in torch: per chunk, one
+    matmul over its used slots for the scores, one softmax over every chunk's scores, per chunk
+    one matmul for the values. Slots of requests that are not decoding this step land in an extra
+    row, dropped. Plain matmuls rather than SDPA: for decode's few query rows per KV head, SDPA's
+    CPU flash kernel took 1.6 ms a layer where these take 1.0; and they take the soft-cap, which
+    SDPA has not."""
     pools = [chunk[layer] for chunk in rows.pools]
     num_seqs = q.shape[0]
     if window is None and len(rows.views) == 1 and _is_whole(rows.views[0], num_seqs):

@@ -26,7 +26,6 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch and transformers load only when a model does (the frontend needs neither)

@@ -11,14 +11,18 @@ greedy argmax | temperature -> min_p -> top-k/top-p -> draw. Each stage runs on 
 batch and is skipped when no row uses it. Random rows are sampled with the exponential race (argmax
 of probs / Exp(1) noise), which draws exactly from probs without a multinomial; a seeded request
 draws its noise from its own generator, so its tokens do not depend on the rest of the batch.
+SamplingMetadata.from_states builds a step's tensors from the request states (as mini-sglang's
+Sampler.prepare; vLLM keeps them in its persistent InputBatch, vllm/v1/worker/gpu_input_batch.py).
 Left out: logprobs modes other than raw_logprobs, logprob_token_ids, custom logits processors,
 speculative decoding, FlashInfer kernels.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from minicore.model.runner_base import CachedRequestState
 from minicore.protocol import LogprobsLists
 
 _NEG_INF = float("-inf")
@@ -54,6 +58,85 @@ class SamplingMetadata:
     penalties: Penalties | None = None
     # The most top logprobs a row asked for (the vocabulary for -1); None: no row asked.
     max_num_logprobs: int | None = None
+
+    @classmethod
+    def from_states(cls, states: Sequence[CachedRequestState], vocab_size: int,
+                    device: torch.device | str) -> "SamplingMetadata":
+        """The batch's sampling tensors, one row per state (the requests that sample this step,
+        in order), each stage's left None (or empty) when no row uses it."""
+        params = [s.sampling_params for s in states]
+        temperature = torch.tensor([p.temperature for p in params], device=device)
+        all_greedy = all(p.temperature == 0 or p.top_k == 1 for p in params)
+        top_k = top_p = min_p = None
+        if not all_greedy and any(p.top_k > 0 for p in params):
+            # A top_k past the vocabulary keeps every token (and may not fit a tensor).
+            top_k = torch.tensor([min(p.top_k, vocab_size) for p in params], device=device)
+        if not all_greedy and any(p.top_p < 1 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], device=device)
+        if not all_greedy and any(p.min_p > 0 and p.temperature > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=device)
+        generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
+        # A stop id past the vocabulary can never be sampled: nothing to mask (nor to index).
+        blocked = {i: ids for i, s in enumerate(states)
+                   if (ids := [t for t in s.min_tokens_blocked_ids() if t < vocab_size])}
+        bad_words = {i: (s.sampling_params.bad_words_token_ids, s.token_ids[s.num_prompt_tokens:])
+                     for i, s in enumerate(states) if s.sampling_params.bad_words_token_ids}
+        asked = [num_logprobs(p.logprobs, vocab_size) for p in params if p.logprobs is not None]
+        return cls(temperature, top_k, top_p, generators, all_greedy, blocked, min_p,
+                   _logit_bias(params, device), _allowed_token_ids_mask(params, vocab_size, device),
+                   bad_words, _penalties(states, vocab_size, device), max(asked, default=None))
+
+
+def num_logprobs(num: int, vocab_size: int) -> int:
+    """How many top logprobs a request's logprobs or prompt_logprobs asks for: vLLM's -1 is the
+    whole vocabulary."""
+    return vocab_size if num == -1 else num
+
+
+def _logit_bias(params, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    entries = [(row, token_id, bias) for row, p in enumerate(params) if p.logit_bias
+               for token_id, bias in p.logit_bias.items()]
+    if not entries:
+        return None
+    rows, token_ids, biases = zip(*entries)
+    return (torch.tensor(rows, device=device), torch.tensor(token_ids, device=device),
+            torch.tensor(biases, dtype=torch.float32, device=device))
+
+
+def _allowed_token_ids_mask(params, vocab_size: int, device) -> torch.Tensor | None:
+    """[B, V], True where a row with allowed_token_ids may not sample (gpu_input_batch.py)."""
+    rows = [row for row, p in enumerate(params) if p.allowed_token_ids]
+    if not rows:
+        return None
+    mask = torch.zeros(len(params), vocab_size, dtype=torch.bool, device=device)
+    mask[rows] = True
+    allowed_rows = [row for row in rows for _ in params[row].allowed_token_ids]
+    allowed_ids = [t for row in rows for t in params[row].allowed_token_ids]
+    mask[torch.tensor(allowed_rows, device=device),
+         torch.tensor(allowed_ids, device=device)] = False
+    return mask
+
+
+def _penalties(states: Sequence[CachedRequestState], vocab_size: int,
+               device) -> Penalties | None:
+    params = [s.sampling_params for s in states]
+    if all(p.presence_penalty == 0 and p.frequency_penalty == 0
+           and p.repetition_penalty == 1 for p in params):
+        return None
+    prompts = [s.token_ids[:s.num_prompt_tokens] for s in states]
+    outputs = [s.token_ids[s.num_prompt_tokens:] for s in states]
+
+    def padded(rows: list[list[int]]) -> torch.Tensor:
+        width = max(map(len, rows), default=0)
+        return torch.tensor([row + [vocab_size] * (width - len(row)) for row in rows],
+                            dtype=torch.long, device=device).reshape(len(rows), width)
+
+    def per_row(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32,
+                            device=device)
+
+    return Penalties(padded(prompts), padded(outputs), per_row("presence_penalty"),
+                     per_row("frequency_penalty"), per_row("repetition_penalty"))
 
 
 @dataclass(slots=True)

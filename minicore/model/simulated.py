@@ -19,9 +19,10 @@ a cost model). It implements ModelRunnerInterface (minicore/model/runner_base.py
   An empty schedule runs no forward, as in ModelRunner.
 - KV cache: cache_config.num_blocks if set, else kv_cache_memory over a nominal per-token size
   (SmolLM2-135M's K and V in float32); the blocks are only counted, never allocated.
-Left out: sampling parameters (temperature, seeds, top-k/p, penalties, bias, allowed and bad words do
-not change the made-up tokens). Logprobs cannot be made up honestly without logits: a request
-asking for them is refused (the InputProcessor and EngineCore.add_request check has_logits).
+Left out: sampling parameters (temperature, seeds, top-k/p, penalties, bias, allowed and bad words
+do not change the made-up tokens). Logprobs cannot be made up honestly without logits: its
+registry entry (minicore/model/registry.py) says it has none, so the InputProcessor and
+EngineCore.add_request refuse a request that asks for them.
 """
 
 import json
@@ -76,8 +77,10 @@ class SimulatedModelRunner(ModelRunnerBase):
         self.block_size = config.cache_config.block_size
         self.vocab_size, self.eos_token_ids = read_vocab(config.model_config.model)
         self.num_blocks = self._determine_num_blocks()
-        self.lockstep = config.parallel_config.data_parallel_size > 1
-        # In lockstep: (start, seconds) of the last forward, until the DP loop takes it.
+        # Chosen once: alone, a forward sleeps its modelled time; in lockstep DP it leaves
+        # (start, seconds) in _step_time until the DP loop takes it.
+        lockstep = config.parallel_config.data_parallel_size > 1
+        self._run_for = self._leave_step_time if lockstep else self._sleep_for
         self._step_time: tuple[float, float] | None = None
         logger.warning("SIMULATED model runner: no model runs, tokens are made up (vocab %d), "
                        "cost %s; KV cache: %d blocks of %d tokens", self.vocab_size, self.cost,
@@ -119,11 +122,12 @@ class SimulatedModelRunner(ModelRunnerBase):
         """What a DP rank with nothing to do runs: one decode's worth of time."""
         self._run_for(time.perf_counter(), self.cost.step_s + self.cost.decode_seq_s)
 
-    def _run_for(self, start_time: float, seconds: float) -> None:
-        """Sleep until start_time + seconds; in lockstep DP leave that to the DP loop."""
-        if self.lockstep:
-            self._step_time = (start_time, seconds)
-            return
+    def _leave_step_time(self, start_time: float, seconds: float) -> None:
+        """In lockstep DP the DP loop sleeps until start_time + seconds, for the slowest rank."""
+        self._step_time = (start_time, seconds)
+
+    def _sleep_for(self, start_time: float, seconds: float) -> None:
+        """Sleep until start_time + seconds."""
         remaining = start_time + seconds - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)

@@ -9,7 +9,7 @@ once. Left out: vLLM's num_nans_in_logits and the pooling outputs.
 """
 
 from minicore.outputs import ModelRunnerOutput
-from minicore.protocol import EngineCoreOutput
+from minicore.protocol import EngineCoreOutput, LogprobsLists
 from minicore.request import Request
 from minicore.scheduler.output import SchedulerOutput
 
@@ -38,8 +38,8 @@ def _add_prompt_logprobs(outputs: list[EngineCoreOutput], requests: dict[str, Re
             continue
         start = request.num_computed_tokens - scheduler_output.num_scheduled_tokens[req_id]
         if (output := by_id.get(req_id)) is not None:
-            output.new_prompt_logprobs = request.take_new_prompt_logprobs(chunk, start)
-        elif (new_prompt_logprobs := request.take_new_prompt_logprobs(chunk, start)) is not None:
+            output.new_prompt_logprobs = take_new_prompt_logprobs(request, chunk, start)
+        elif (new_prompt_logprobs := take_new_prompt_logprobs(request, chunk, start)) is not None:
             outputs.append(EngineCoreOutput(
                 req_id, [], num_cached_tokens=request.num_cached_tokens,
                 events=request.take_events() if request.events else None,
@@ -47,3 +47,18 @@ def _add_prompt_logprobs(outputs: list[EngineCoreOutput], requests: dict[str, Re
     if len(outputs) > num_outputs:
         index = runner_output.req_id_to_index
         outputs.sort(key=lambda output: index[output.request_id])
+
+
+def take_new_prompt_logprobs(request: Request, chunk: LogprobsLists,
+                             start: int) -> LogprobsLists | None:
+    """The part of chunk (the logprobs of prompt positions start, start + 1, ...) not sent yet;
+    None if it was all sent before the request was preempted and recomputed."""
+    end = start + len(chunk.sampled_token_ranks)
+    skip = request.num_prompt_logprobs_sent - start
+    if end <= request.num_prompt_logprobs_sent:
+        return None
+    request.num_prompt_logprobs_sent = end
+    if skip <= 0:
+        return chunk
+    return LogprobsLists(chunk.logprob_token_ids[skip:], chunk.logprobs[skip:],
+                         chunk.sampled_token_ranks[skip:])

@@ -9,8 +9,13 @@ import pytest
 
 from minicore.__main__ import main
 from minicore.config import CacheConfig, SchedulerConfig
-from minicore.dp.simulator import CostModel, DPSimulator, SimConfig, SimRequest, \
-    make_random_workload
+from minicore.dp.simulator import (
+    CostModel,
+    DPSimulator,
+    SimConfig,
+    SimRequest,
+    make_random_workload,
+)
 
 STEP_S = 0.010
 
@@ -180,3 +185,20 @@ def test_published_experiment_full_gate_beats_the_baseline(tmp_path, capsys):
     assert full["output_throughput"] > base["output_throughput"]
     assert full["mean_tpot_ms"] < base["mean_tpot_ms"]
     assert full["simulation"]["prefill_steps"] < base["simulation"]["prefill_steps"]
+
+
+def test_the_simulator_steps_by_the_engines_own_rules():
+    """Which steps sync (and so may end a wave) and when a rank runs a dummy batch are
+    minicore/dp/wave.py's, imported by the DP engine and the simulator alike."""
+    import minicore.dp.engine as engine
+    import minicore.dp.simulator as simulator
+    from minicore.dp import wave
+
+    for rule in ("is_sync_step", "runs_dummy_batch"):
+        assert getattr(engine, rule) is getattr(simulator, rule) is getattr(wave, rule)
+    assert [n for n in range(1, 100) if wave.is_sync_step(n)] == [32, 64, 96]
+    # (executed, has unfinished requests, wave running): a dummy batch only in place of a step
+    # that ran nothing, while the wave runs or the rank holds requests.
+    runs = {(e, u, r) for e in (False, True) for u in (False, True) for r in (False, True)
+            if wave.runs_dummy_batch(e, u, r)}
+    assert runs == {(False, True, False), (False, False, True), (False, True, True)}

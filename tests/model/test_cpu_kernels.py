@@ -10,7 +10,6 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-
 from test_native import native_kernel
 
 from minicore.model import native

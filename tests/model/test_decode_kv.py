@@ -11,8 +11,14 @@ import pytest
 import torch
 from test_native import native_kernel
 
-from minicore.model.attention import AttentionMetadata, kv_cache_shape, paged_attention_forward
-from minicore.model.decode_kv import DecodeKVBuffers, _is_whole
+from minicore.model.attention import (
+    GATHERED_DECODE,
+    AttentionMetadata,
+    GatheredDecode,
+    kv_cache_shape,
+    paged_attention_forward,
+)
+from minicore.model.decode_kv import DecodeKVBuffers, RowKV, _is_whole
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
 
@@ -67,12 +73,12 @@ class Traffic:
                 self.refs[seq["table"][-1]] = 1
         computed = [self.seqs[s]["done"] for s in batch]
         new = list(batch.values())
-        rows = self.pools.plan(list(batch), computed, [c + n for c, n in zip(computed, new)],
-                               [i for i, n in enumerate(new) if n == 1], set(self.seqs))
-        self.fallbacks += rows is None
-        self.pool_steps += rows is not None
+        rows = self.pools.plan(list(batch), computed, new, self.seqs)
+        planned = isinstance(rows, RowKV)
+        self.fallbacks += not planned
+        self.pool_steps += planned
         decodes = new.count(1)
-        self.whole_steps += bool(rows and len(rows.views) == 1 and _is_whole(rows.views[0], decodes))
+        self.whole_steps += planned and len(rows.views) == 1 and _is_whole(rows.views[0], decodes)
         meta = AttentionMetadata.build([self.seqs[s]["table"] for s in batch], computed, new,
                                        self.cache, rows)
         q, k, v = (torch.randn(sum(new), h, DIM) for h in (HEADS, KV_HEADS, KV_HEADS))
@@ -113,3 +119,31 @@ def test_pools_under_random_traffic(num_blocks, chunk_size, expect_fallback, nat
         # path (every decoding request in pool 0, in order) and some the general one.
         assert (traffic.whole_steps > 0) == (chunk_size == 64)
         assert traffic.whole_steps < traffic.pool_steps
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_the_rows_plugged_in_attend_as_the_default_gather_does(native):
+    """The attention function with the runner's CPU rows plugged in (decode_kv.py) and with its
+    default (GatheredDecode): the same steps, the same outputs; and rows past the pools' bound
+    plan the default for that step."""
+    torch.manual_seed(0)
+    tables = {"a": [3, 1, 5], "b": [2, 4, 6]}
+    caches = [[torch.zeros(kv_cache_shape(8, BLOCK, KV_HEADS, DIM))] for _ in range(2)]
+    backends = [GatheredDecode(), DecodeKVBuffers(caches[1], chunk_size=BLOCK,
+                                                  kernel=native_kernel() if native else None)]
+    for step in ({"a": (0, 7), "b": (0, 5)}, {"a": (7, 8), "b": (5, 6)},
+                 {"b": (6, 7), "a": (8, 9)}):
+        computed, new = [a for a, _ in step.values()], [b - a for a, b in step.values()]
+        q, k, v = (torch.randn(sum(new), h, DIM) for h in (HEADS, KV_HEADS, KV_HEADS))
+        outs = []
+        for backend, cache in zip(backends, caches):
+            meta = AttentionMetadata.build([tables[s] for s in step], computed, new, cache,
+                                           backend.plan(list(step), computed, new, tables))
+            outs.append(paged_attention_forward(SimpleNamespace(layer_idx=0), *(
+                x.transpose(0, 1)[None] for x in (q, k, v)), None, DIM**-0.5,
+                minicore_meta=meta)[0])
+        assert isinstance(meta.decode_attention, RowKV)
+        torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    small = DecodeKVBuffers([torch.zeros(kv_cache_shape(2, BLOCK, KV_HEADS, DIM))],
+                            chunk_size=BLOCK)
+    assert small.plan(["x"], [0], [9], {"x"}) is GATHERED_DECODE  # 3 chunks, 2 blocks' slots

@@ -1,6 +1,6 @@
-"""Greedy parity with transformers: minicore's tokens equal model.generate(do_sample=False), token for
-token, in four configurations (one batch; chunked prefill; prefix-cache hits; preemption), each of
-which is asserted to have really happened."""
+"""Greedy parity with transformers: minicore's tokens equal model.generate(do_sample=False), token
+for token, in four configurations (one batch; chunked prefill; prefix-cache hits; preemption),
+each of which is asserted to have really happened."""
 
 import pytest
 import torch
@@ -17,7 +17,8 @@ TEXTS = [
     "The capital of France is",
     "Write a short poem about the sea and the wind.",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "In 1969, the Apollo 11 mission landed two astronauts on the Moon. Describe what they did there",
+    "In 1969, the Apollo 11 mission landed two astronauts on the Moon. Describe what they did "
+    "there",
     "List three reasons why the sky looks blue during the day, and explain each one in a sentence.",
     "Once upon a time, in a village at the edge of a great forest, there lived an old clockmaker "
     "who had never left his workshop. One winter morning, a stranger knocked at his door and",

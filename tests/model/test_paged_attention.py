@@ -15,6 +15,7 @@ from test_native import native_kernel
 
 from minicore.model.attention import (
     AttentionMetadata,
+    GatheredDecode,
     attn_implementation,
     kv_cache_shape,
     use_paged_attention,
@@ -41,7 +42,7 @@ class PagedModel:
         self.free = random.Random(0).sample(range(NUM_BLOCKS), NUM_BLOCKS)
         self.tables: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
-        self.rows = None if decode == "gather" else DecodeKVBuffers(
+        self.decode_attention = GatheredDecode() if decode == "gather" else DecodeKVBuffers(
             self.kv_caches, chunk_size=16, kernel=native_kernel() if decode == "native" else None)
 
     def allocate(self, seq: str, num_new_tokens: int) -> None:
@@ -56,15 +57,15 @@ class PagedModel:
         self.computed[seq] = num_blocks * BLOCK_SIZE
 
     def step(self, batch: dict[str, list[int]]) -> dict[str, torch.Tensor]:
-        """One packed forward; ``batch`` maps sequences to their new tokens. Returns their logits."""
+        """One packed forward; ``batch`` maps sequences to their new tokens. Returns their
+        logits."""
         for seq, tokens in batch.items():
             self.allocate(seq, len(tokens))
         computed, num_new = [self.computed[s] for s in batch], [len(t) for t in batch.values()]
-        row_kv = None if self.rows is None else self.rows.plan(
-            list(batch), computed, [c + n for c, n in zip(computed, num_new)],
-            [i for i, n in enumerate(num_new) if n == 1], set(self.tables))
+        decode_attention = self.decode_attention.plan(list(batch), computed, num_new,
+                                                      self.tables)
         meta = AttentionMetadata.build([self.tables[s] for s in batch], computed, num_new,
-                                       self.kv_caches, row_kv)
+                                       self.kv_caches, decode_attention)
         input_ids = torch.tensor([t for tokens in batch.values() for t in tokens])[None]
         with torch.inference_mode():
             logits = self.model(
@@ -178,15 +179,13 @@ def test_sliding_window_and_softcap(window, softcap, decode):
     tables = {"a": [3, 1, 5], "b": [2, 4]}
     cache = [torch.zeros(kv_cache_shape(8, block, kv_heads, dim))]
     module, out = SimpleNamespace(layer_idx=0), {"a": [], "b": []}
-    buffers = None if decode == "gather" else DecodeKVBuffers(
+    decode_attention = GatheredDecode() if decode == "gather" else DecodeKVBuffers(
         cache, chunk_size=8, kernel=native_kernel() if decode == "native" else None)
     for step in ({"a": (0, 12), "b": (0, 13)}, {"b": (13, 14), "a": (12, 20)}):
         spans = list(step.values())
-        row_kv = buffers and buffers.plan(list(step), [a for a, _ in spans], [b for _, b in spans],
-                                          [i for i, (a, b) in enumerate(spans) if b - a == 1],
-                                          set(lens))
-        meta = AttentionMetadata.build([tables[s] for s in step], [a for a, _ in spans],
-                                       [b - a for a, b in spans], cache, row_kv)
+        computed, num_new = [a for a, _ in spans], [b - a for a, b in spans]
+        meta = AttentionMetadata.build([tables[s] for s in step], computed, num_new, cache,
+                                       decode_attention.plan(list(step), computed, num_new, lens))
         pack = [torch.cat([x[s][a:b] for s, (a, b) in step.items()]) for x in (q, k, v)]
         query, key, value = (t.transpose(0, 1)[None] for t in pack)
         res, _ = paged_attention_forward(module, query, key, value, None, dim**-0.5,

@@ -4,6 +4,7 @@ against torch.log_softmax. The min_tokens mask: until a request has min_tokens o
 EOS and stop ids cannot be sampled, greedy or not (vLLM's MinTokensLogitsProcessor), and the
 per-request state says which ids are blocked when."""
 
+import pytest
 import torch
 
 from minicore.model.runner_base import CachedRequestState
@@ -142,3 +143,56 @@ def test_logprobs_are_the_raw_log_softmax_with_vllm_ranks():
     assert [len(row) for row in lists.logprob_token_ids] == [3, 3]
     assert lists.sampled_token_ranks == [1, 1]
     assert sample(logits.clone(), _meta(3)).logprobs is None
+
+
+def _state(params: SamplingParams, prompt: list[int], outputs: list[int] = (), generator=None):
+    token_ids = list(prompt) + list(outputs)
+    return CachedRequestState(token_ids, [1], len(token_ids), params, len(prompt), EOS,
+                              generator)
+
+
+def test_from_states_leaves_every_stage_off_for_plain_greedy_rows():
+    meta = SamplingMetadata.from_states([_state(SamplingParams(temperature=0), [3]),
+                                         _state(SamplingParams(top_k=1), [4])], 8, "cpu")
+    assert meta.all_greedy and meta.temperature.tolist() == [0.0, 1.0]
+    assert (meta.top_k, meta.top_p, meta.min_p, meta.logit_bias, meta.allowed_token_ids_mask,
+            meta.penalties, meta.max_num_logprobs) == (None,) * 7
+    assert (meta.generators, meta.blocked_token_ids, meta.bad_words) == ({}, {}, {})
+
+
+def test_from_states_builds_each_stage_as_a_hand_built_batch():
+    V = 8
+    gen = torch.Generator().manual_seed(3)
+    states = [
+        _state(SamplingParams(temperature=0.5, top_k=100, top_p=0.9, min_p=0.1, seed=3,
+                              logit_bias={1: 2.0, 6: -1.5}, logprobs=-1), [5, 6], [7],
+               generator=gen),
+        _state(SamplingParams(temperature=0, allowed_token_ids=[2, 4], min_tokens=3,
+                              stop_token_ids=[5, 9], logprobs=2, repetition_penalty=1.5,
+                              presence_penalty=0.5, frequency_penalty=0.25), [1], [3, 3]),
+        _state(SamplingParams(temperature=1.0, top_k=3, bad_words_token_ids=[[4], [3, 2]]),
+               [2, 2, 2]),
+    ]
+    meta = SamplingMetadata.from_states(states, V, "cpu")
+    assert not meta.all_greedy
+    assert meta.temperature.tolist() == [0.5, 0.0, 1.0]
+    assert meta.top_k.tolist() == [V, 0, 3]  # 100 is past the vocabulary: every token
+    assert meta.top_p.tolist() == pytest.approx([0.9, 1.0, 1.0])
+    assert meta.min_p.tolist() == pytest.approx([0.1, 0.0, 0.0])
+    assert meta.generators == {0: gen}
+    rows, token_ids, biases = meta.logit_bias
+    assert (rows.tolist(), token_ids.tolist(), biases.tolist()) == ([0, 0], [1, 6], [2.0, -1.5])
+    expected_mask = torch.zeros(3, V, dtype=torch.bool)
+    expected_mask[1] = True
+    expected_mask[1, [2, 4]] = False
+    assert torch.equal(meta.allowed_token_ids_mask, expected_mask)
+    # Row 1 has 2 of its 3 min_tokens: EOS and the stop ids in the vocabulary are blocked.
+    assert meta.blocked_token_ids == {1: [EOS, 5]}
+    assert meta.bad_words == {2: ([[4], [3, 2]], [])}
+    p = meta.penalties
+    assert p.prompt_token_ids.tolist() == [[5, 6, V], [1, V, V], [2, 2, 2]]
+    assert p.output_token_ids.tolist() == [[7, V], [3, 3], [V, V]]
+    assert p.repetition.tolist() == [1.0, 1.5, 1.0]
+    assert p.presence.tolist() == [0.0, 0.5, 0.0]
+    assert p.frequency.tolist() == [0.0, 0.25, 0.0]
+    assert meta.max_num_logprobs == V  # -1: the whole vocabulary

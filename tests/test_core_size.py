@@ -1,0 +1,80 @@
+"""The core stays small, read from the files: the DP engine core's reading path (its files and line
+counts, as docs/ARCHITECTURE.md lists them) stays within its budget, and none of the five core
+files tests a feature outside the core in a step: optional features bind once, at construction,
+as components with do-nothing defaults."""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
+READING_PATH_BUDGET = 2500
+CORE_FILES = ("minicore/scheduler/scheduler.py", "minicore/engine/core.py",
+              "minicore/engine/core_proc.py", "minicore/dp/engine.py", "minicore/model/runner.py")
+# Names that belong to features outside the core: the P/D connector, logprobs, the CPU kernels,
+# expert parallelism, the simulator, and the features still to come.
+FEATURE_NAME = re.compile(r"connector|remote_kv|kv_transfer|logprob|simulat|lockstep|native|"
+                          r"decode_kv|cpu|expert|ep_group|spec_|draft|structured|grammar|bitmask",
+                          re.IGNORECASE)
+# Where a component is chosen: run once, when the engine is built or torn down.
+CONSTRUCTION = re.compile(r"__init__|_init_\w*|_?make_\w*|_load_model|shutdown|close")
+
+
+def reading_path() -> dict[str, int]:
+    """{path: documented line count} from the reading-path table of docs/ARCHITECTURE.md."""
+    text = ARCHITECTURE.read_text()
+    section = text.split("## Reading path", 1)[1].split("\n## ", 1)[0]
+    return {path: int(lines) for path, lines in
+            re.findall(r"^\| `(minicore/[\w/]+\.py)` \| (\d+) \|", section, re.MULTILINE)}
+
+
+def feature_conditionals(source: str) -> list[str]:
+    """'function: test' for each conditional outside construction whose test names a feature."""
+    found = []
+    for func in ast.walk(ast.parse(source)):
+        if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        if CONSTRUCTION.fullmatch(func.name):
+            continue
+        for node in ast.walk(func):
+            tests = ([node.test] if isinstance(node, ast.If | ast.While | ast.IfExp)
+                     else node.ifs if isinstance(node, ast.comprehension) else [])
+            for test in tests:
+                names = [n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(test)
+                         if isinstance(n, ast.Name | ast.Attribute)]
+                if any(FEATURE_NAME.search(name) for name in names):
+                    found.append(f"{func.name}: {ast.unparse(test)}")
+    return found
+
+
+def test_the_reading_path_is_documented_with_its_true_line_counts():
+    documented = reading_path()
+    assert len(documented) >= 10, "the reading-path table of docs/ARCHITECTURE.md was not found"
+    actual = {path: len((ROOT / path).read_text().splitlines()) for path in documented}
+    assert documented == actual, "update the reading-path table in docs/ARCHITECTURE.md"
+
+
+def test_the_reading_path_of_the_dp_engine_core_fits_its_budget():
+    documented = reading_path()
+    assert set(CORE_FILES) <= set(documented)
+    assert sum(documented.values()) <= READING_PATH_BUDGET
+
+
+@pytest.mark.parametrize("path", CORE_FILES)
+def test_no_core_file_tests_a_feature_outside_the_core_in_a_step(path):
+    assert feature_conditionals((ROOT / path).read_text()) == []
+
+
+def test_the_counter_sees_a_feature_test_in_a_step_and_not_at_construction():
+    # guard against a vacuous check
+    source = ("class E:\n"
+              "    def __init__(self, c):\n        if c.connector: pass\n"
+              "    def step(self, out):\n"
+              "        if out.logprobs is not None: pass\n"
+              "        ids = [r for r in out.reqs if r.remote_kv]\n"
+              "        return 1 if self.budget else 0\n")
+    assert feature_conditionals(source) == ["step: out.logprobs is not None",
+                                            "step: r.remote_kv"]
