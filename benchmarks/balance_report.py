@@ -137,7 +137,7 @@ def simulate_same(args) -> dict:
     draw, seed 0): prints its table and the command, returns its results."""
     import argparse
 
-    from minicore.dp.sim_report import add_simulate_args, run_variant, print_table
+    from minicore.dp.sim_report import add_simulate_args, print_table, run_variant
 
     flags = (f"--data-parallel-size {args.dp} --max-num-seqs {args.max_num_seqs} "
              f"--max-num-batched-tokens {args.max_num_batched_tokens} --num-prompts "

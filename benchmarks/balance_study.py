@@ -51,13 +51,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from balance_report import (PUBLISHED_RESULT, print_header, print_results, simulate_same,
-                            step_counts, summarize)
+from balance_report import (
+    PUBLISHED_RESULT,
+    print_header,
+    print_results,
+    simulate_same,
+    step_counts,
+    summarize,
+)
 from dp_collective_cost import COLLECTIVES, collective_cost_ms, format_cost, free_port_pair
 
-from minicore.config import SimulatedCost, create_engine_config
+from minicore.config import create_engine_config
 from minicore.dp.simulator import make_random_workload
 from minicore.engine.async_llm import AsyncLLM
+from minicore.model.config import SimulatedCost
 from minicore.sampling_params import SamplingParams
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"

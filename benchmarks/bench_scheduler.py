@@ -37,10 +37,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minicore.config import CacheConfig, SchedulerConfig  # noqa: E402
-from minicore.outputs import ModelRunnerOutput  # noqa: E402
 from minicore.request import Request  # noqa: E402
 from minicore.sampling_params import SamplingParams  # noqa: E402
 from minicore.scheduler import Scheduler  # noqa: E402
+from minicore.scheduler.output import ModelRunnerOutput  # noqa: E402
 
 BLOCK_SIZE = 16
 VOCAB = 32000
@@ -240,9 +240,9 @@ def main() -> None:
 
     scenarios = [Decode(32, total_steps), Decode(256, total_steps), Decode(1024, total_steps),
                  PrefillMix(total_steps)]
-    print("minicore scheduler overhead per step (median of %d repeats x %d steps), Python %s, GC %s"
-          % (repeats, steps, platform.python_version(),
-             "frozen after set-up" if args.gc_freeze else "default"))
+    print(f"minicore scheduler overhead per step (median of {repeats} repeats x {steps} steps), "
+          f"Python {platform.python_version()}, GC "
+          f"{'frozen after set-up' if args.gc_freeze else 'default'}")
     print("reference: vLLM 0.32 v1 scheduler ~3,900 us/step at 256 running (2,800 schedule + "
           "1,100 update), ~540 us at 32; target < 500 us at 256, growth at most linear")
     hdr = (f"{'scenario':<13} {'running':>8} {'tok/step':>9} {'schedule us':>12} {'update us':>10} "
@@ -288,7 +288,7 @@ def main() -> None:
     }
     if args.profile:
         text = profile_decode(256, steps, 25)
-        print("\ncProfile, decode-256, %d steps (schedule + update), by tottime:" % steps)
+        print(f"\ncProfile, decode-256, {steps} steps (schedule + update), by tottime:")
         print(text)
         payload["profile_decode_256"] = text
     out_path = Path(args.json)

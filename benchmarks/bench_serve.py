@@ -1,4 +1,4 @@
-"""Online serving benchmark: drive a running server through its OpenAI API, print vLLM's result block.
+"""Online serving benchmark: drive a running server via its OpenAI API, print vLLM's result block.
 
 Mirrors vllm/benchmarks/serve.py (`vllm bench serve`) with its flag names, for the random dataset:
 --num-prompts requests of --random-input-len random token ids (lengths spread by
@@ -228,7 +228,8 @@ async def benchmark(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", choices=["openai", "openai-chat"], default="openai")
-    ap.add_argument("--base-url", default=None, help="e.g. http://host:8000 (default: --host/--port)")
+    ap.add_argument("--base-url", default=None,
+                    help="e.g. http://host:8000 (default: --host/--port)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--endpoint", default=None,
@@ -252,7 +253,8 @@ def main() -> None:
     ap.add_argument("--result-filename", default="bench_serve.json")
     args = ap.parse_args()
     if args.endpoint is None:
-        args.endpoint = "/v1/chat/completions" if args.backend == "openai-chat" else "/v1/completions"
+        args.endpoint = ("/v1/chat/completions" if args.backend == "openai-chat"
+                         else "/v1/completions")
     asyncio.run(benchmark(args))
 
 

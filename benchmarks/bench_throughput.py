@@ -1,4 +1,4 @@
-"""Offline throughput, side by side in one run: minicore LLM.generate vs transformers model.generate.
+"""Offline throughput side by side in one run: minicore LLM.generate vs transformers model.generate.
 
 Workloads (greedy, EOS ignored, same model and dtype for both engines):
   uniform  64 prompts of 128 random token ids, 128 output tokens each
@@ -34,8 +34,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minicore.llm import LLM  # noqa: E402
-from minicore.model.attention import attn_implementation  # noqa: E402
+from minicore.model.attention import GATHERED_DECODE, attn_implementation  # noqa: E402
 from minicore.model.cpu_linear import use_cpu_linear  # noqa: E402
+from minicore.model.decode_kv import DecodeKVBuffers  # noqa: E402
 from minicore.model.loader import load_model  # noqa: E402
 from minicore.sampling_params import SamplingParams  # noqa: E402
 
@@ -133,7 +134,8 @@ def main() -> None:
                     help="also time minicore with the gather decode attention")
     ap.add_argument("--torch-kernels", action="store_true",
                     help="also time minicore with its C kernels off (CPU)")
-    ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "bench_throughput.json"))
+    ap.add_argument("--json",
+                    default=str(Path(__file__).parent / "results" / "bench_throughput.json"))
     args = ap.parse_args()
 
     start = time.perf_counter()
@@ -156,17 +158,19 @@ def main() -> None:
         gather_tok_s = torch_tok_s = None
         # Other prompts of the same lengths: the first run's are in the prefix cache.
         other = make_workload(name, args.num_prompts, cfg.vocab_size, seed=1)
+        # The runner chose its decode path once; each variant swaps in another and back.
+        decode_attention = runner.decode_attention
         if args.gather:
-            decode_kv, runner.decode_kv = runner.decode_kv, None
+            runner.decode_attention = GATHERED_DECODE
             gather_tok_s = sum(o for _, o in other) / run_minicore(llm, other)
-            runner.decode_kv = decode_kv
-        if args.torch_kernels and runner.decode_kv is not None:
-            kernels, runner.decode_kv.kernel = runner.decode_kv.kernel, None
+            runner.decode_attention = decode_attention
+        if args.torch_kernels and isinstance(decode_attention, DecodeKVBuffers):
+            runner.decode_attention = DecodeKVBuffers(runner.kv_caches)
             use_cpu_linear(model)
             third = make_workload(name, args.num_prompts, cfg.vocab_size, seed=2)
             torch_tok_s = sum(o for _, o in third) / run_minicore(llm, third)
-            runner.decode_kv.kernel = kernels
-            use_cpu_linear(model, kernels)
+            runner.decode_attention = decode_attention
+            use_cpu_linear(model, decode_attention.kernel)
         t_hf = reference.submit(run_transformers, work, args.dtype, args.device).result()
         flops = matmul_flops(cfg, work)
         rows.append({"workload": name, "num_prompts": len(work), "output_tokens": num_out,
@@ -180,7 +184,8 @@ def main() -> None:
           f"{'ratio':>6} {'roofline':>9}")
     for r in rows:
         print(f"{r['workload']:10} {r['output_tokens']:>10} {r['minicore_tok_s']:>15.1f} "
-              f"{r['transformers_tok_s']:>19.1f} {r['speedup']:>6.2f} {r['roofline_fraction']:>8.0%}"
+              f"{r['transformers_tok_s']:>19.1f} {r['speedup']:>6.2f} "
+              f"{r['roofline_fraction']:>8.0%}"
               + (f"  gather: {r['gather_tok_s']:.1f} tok/s" if r["gather_tok_s"] else "")
               + (f"  torch kernels: {r['torch_kernels_tok_s']:.1f} tok/s"
                  if r["torch_kernels_tok_s"] else ""))

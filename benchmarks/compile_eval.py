@@ -91,7 +91,8 @@ def run_variant(model, shape, context, variant, steps, eager_first_s, eager_logi
         time_calls(fn, (ids, pos, kv), 2)  # warm-up (a recompile would show here)
         times = time_calls(fn, (ids, pos, kv), steps)
         row["step_ms"] = 1e3 * statistics.median(times)
-        row["argmax_equal"] = bool(torch.equal(out[:, -1].argmax(-1), eager_logits[:, -1].argmax(-1)))
+        row["argmax_equal"] = bool(torch.equal(out[:, -1].argmax(-1),
+                                               eager_logits[:, -1].argmax(-1)))
         row["max_abs_diff"] = float((out - eager_logits).abs().max())
     except Exception as exc:  # a failure is the finding
         row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
@@ -136,7 +137,8 @@ def main():
     print(f"cpu, float32, torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"load {load_s:.1f} s, decode = 64 x 1 over {args.context} cached tokens, "
           f"prefill = 8 x 128")
-    print(f"{'shape':8} {'variant':18} {'compile s':>9} {'step ms':>8} {'speedup':>7} {'argmax =':>8}")
+    print(f"{'shape':8} {'variant':18} {'compile s':>9} {'step ms':>8} {'speedup':>7} "
+          f"{'argmax =':>8}")
     for r in rows:
         if "error" in r:
             print(f"{r['shape']:8} {r['variant']:18} FAILED: {r['error']}")

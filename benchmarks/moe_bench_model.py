@@ -1,9 +1,9 @@
 """The balance study's benchmark mixture-of-experts model: a Qwen3-MoE of random weights, generated
-here (nothing downloaded), big enough that a CPU forward is mostly matrix work rather than Python and
-collective overhead, small enough for two engines on two cores. The default model's tokenizer and
-vocabulary (SmolLM2's) are saved beside it, as tests/model/moe_models.py's build_served_moe does for
-the tests' tiny models (same recipe: AutoConfig.for_model + from_config with a fixed seed, float32
-safetensors; not imported from tests/, which is not a package).
+here (nothing downloaded), big enough that a CPU forward is mostly matrix work rather than Python
+and collective overhead, small enough for two engines on two cores. The default model's tokenizer
+and vocabulary (SmolLM2's) are saved beside it, as tests/model/moe_models.py's build_served_moe does
+for the tests' tiny models (same recipe: AutoConfig.for_model + from_config with a fixed seed,
+float32 safetensors; not imported from tests/, which is not a package).
 
 Cached under ~/.cache/minicore/moe-bench-<hash of the config>/, built once.
 

@@ -152,7 +152,7 @@ class Trace:
     aborts: list[list] = field(default_factory=list)  # [step, [ids]]: before that step's schedule()
 
     @classmethod
-    def from_json(cls, data: dict) -> "Trace":
+    def from_json(cls, data: dict) -> Trace:
         return cls(data["seed"], data["index"], dict(data["cfg"]),
                    [ReqSpec(**r) for r in data["requests"]], [list(a) for a in data["aborts"]])
 
@@ -332,10 +332,10 @@ class MiniSide:
 
     def __init__(self, cfg: dict):
         from minicore.config import CacheConfig, SchedulerConfig
-        from minicore.outputs import ModelRunnerOutput
         from minicore.request import Request, RequestStatus
         from minicore.sampling_params import SamplingParams
         from minicore.scheduler import Scheduler
+        from minicore.scheduler.output import ModelRunnerOutput
 
         self.m = SimpleNamespace(ModelRunnerOutput=ModelRunnerOutput, Request=Request,
                                  RequestStatus=RequestStatus, SamplingParams=SamplingParams)

@@ -9,8 +9,8 @@ import re
 import sys
 
 from minicore.config import create_engine_config
-from minicore.engine.arg_utils import add_engine_cli_args, engine_kwargs_from_cli
 from minicore.dp.sim_report import add_simulate_args, simulate_main
+from minicore.engine.arg_utils import add_engine_cli_args, engine_kwargs_from_cli
 from minicore.logger import configure_logging
 
 # generate's LLM runs one in-process engine, which refuses data parallelism, on the transformers

@@ -2,18 +2,21 @@
 
 Mirrors vllm/utils/argparse_utils.py (human_readable_int), the template loading of vLLM's
 chat utilities (load_chat_template) and the generation-config reading of vllm/config/model.py
-(try_get_generation_config, get_diff_sampling_param), and --max-model-len auto
+(try_get_generation_config, get_diff_sampling_param), --max-model-len auto
 (human_readable_int_or_auto; the model's context length by _get_and_verify_max_len's rule,
-derived_max_model_len). Left out: a generation config taken from config.json when a model has
-no generation_config.json, --override-generation-config; auto's fitting of max_model_len to the
-KV cache (minicore refuses at start a cache that cannot hold one request of max_model_len).
+derived_max_model_len), and flag(), the config fields' --help metadata that
+minicore/engine/arg_utils.py makes flags from. Left out: a generation config from config.json when a
+model has no generation_config.json, --override-generation-config; auto's fitting of max_model_len
+to the KV cache (minicore refuses at start a cache that cannot hold one request of max_model_len).
 """
 
 import argparse
 import json
 import os
 import re
+from dataclasses import field
 from pathlib import Path
+from typing import Any
 
 # generation_config.json keys that are sampling defaults, in vLLM's order (get_diff_sampling_param).
 _SAMPLING_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature",
@@ -135,3 +138,14 @@ def derived_max_model_len(hf_config: dict, tokenizer_config: dict | None = None)
     if rope_type in ("linear", "dynamic") and "gemma3" not in str(config.get("model_type")):
         derived *= rope.get("factor") or 1.0
     return int(derived)
+
+
+def flag(default, help: str, **cli) -> Any:
+    """A field with a command-line flag. cli: flag= (its name, when not --field-name), aliases=
+    (short forms), group= (its --help group, when not its config's), type= (argparse's, when not the
+    annotation's)."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
+# The metadata of a config field set at run time: no flag.
+RUNTIME = {"cli": False}

@@ -1,44 +1,13 @@
-"""What the model runner hands back to the scheduler, and what a user gets back per request.
+"""What a user gets back per request.
 
-Mirrors ModelRunnerOutput and KVConnectorOutput (vllm/v1/outputs.py), RequestOutput
-(vllm/outputs.py), Logprob with SampleLogprobs/PromptLogprobs (vllm/logprobs.py) and
-RequestStateStats (vllm/v1/metrics/stats.py), without pooling, speculative decoding, KV connector
-stats or FlatLogprobs.
+Mirrors RequestOutput and CompletionOutput (vllm/outputs.py), Logprob with SampleLogprobs/
+PromptLogprobs (vllm/logprobs.py) and RequestStateStats (vllm/v1/metrics/stats.py), without
+pooling or FlatLogprobs. What the model runner hands back to the scheduler is in
+minicore/scheduler/output.py.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-
-from minicore.protocol import LogprobsLists
-
-
-@dataclass(slots=True)
-class KVConnectorOutput:
-    """What the worker side of a KV connector reports after a step (vLLM: KVConnectorOutput)."""
-    # Held blocks the peer has read (or whose wait timed out): the scheduler frees them.
-    finished_sending: set[str] | None = None
-    # Remote KV that has arrived: the request leaves WAITING_FOR_REMOTE_KVS.
-    finished_recving: set[str] | None = None
-    # Local blocks whose load failed: their requests recompute from the last valid block.
-    invalid_block_ids: set[int] = field(default_factory=set)
-
-
-@dataclass(slots=True)
-class ModelRunnerOutput:
-    req_ids: list[str]
-    req_id_to_index: dict[str, int]
-    # One list per request in req_ids: the tokens it sampled this step, empty for a request that is
-    # still in the middle of a chunked prefill.
-    sampled_token_ids: list[list[int]]
-    # Set only when the engine runs a KV connector.
-    kv_connector_output: KVConnectorOutput | None = None
-    # Per request id, for the requests that asked: the sampled token's top logprobs (one row per
-    # sampled token) and the logprobs of this step's chunk of prompt positions.
-    logprobs: dict[str, LogprobsLists] | None = None
-    prompt_logprobs: dict[str, LogprobsLists] | None = None
-
-
-EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
 
 
 @dataclass(slots=True)

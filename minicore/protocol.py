@@ -30,6 +30,7 @@ import msgspec
 
 from minicore.sampling_params import SamplingParams
 
+
 class FinishReason(enum.IntEnum):
     STOP = 0
     LENGTH = 1

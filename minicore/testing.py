@@ -24,11 +24,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 
 from minicore.config import CacheConfig, SchedulerConfig
-from minicore.outputs import ModelRunnerOutput
 from minicore.protocol import EngineCoreOutput
 from minicore.request import Request
 from minicore.sampling_params import SamplingParams
 from minicore.scheduler import KVCacheBlock, Scheduler, SchedulerOutput
+from minicore.scheduler.output import ModelRunnerOutput
 
 __all__ = ["FAKE_TOKEN_BASE", "Script", "Step", "block", "default_tokens", "fake_model_output",
            "free_ids", "make_request", "make_scheduler", "num_free", "outputs_by_id",

@@ -1,10 +1,11 @@
-"""Small helpers shared by the frontend and the engine processes: ZMQ sockets, free ports and the
-GC heap.
+"""Small helpers shared by the frontend and the engine processes: ZMQ sockets, listening sockets,
+free ports and the GC heap.
 
 Mirrors make_zmq_socket and get_open_port (vllm/utils/network_utils.py) and freeze_gc_heap
 (vllm/utils/gc_utils.py). Left out: socket buffer tuning, IPv6 address parsing.
 """
 
+import errno
 import gc
 import socket
 
@@ -56,3 +57,37 @@ def freeze_gc_heap() -> None:
     event loop (docs/BENCHMARKS.md has the figures)."""
     gc.collect()
     gc.freeze()
+
+
+def listen_on(address: str, port: int, what: str, setting: str) -> socket.socket:
+    """A TCP socket listening on address:port only, for what; a RuntimeError naming the setting
+    that chooses the port when it is in use, or the address when it is not this machine's."""
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            # A port left in TIME_WAIT by the previous server is fine; one in use is not.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(sockaddr)
+            sock.listen(128)
+        except OSError:
+            sock.close()
+            raise
+    except OSError as e:
+        hint = {errno.EADDRINUSE: f" (in use by another server? choose another with {setting})",
+                errno.EADDRNOTAVAIL: " (not an address of this machine)"}.get(e.errno, "")
+        raise RuntimeError(f"{what} cannot listen on {address}:{port}: {e}{hint}") from None
+    return sock
+
+
+def local_address_towards(address: str) -> str:
+    """address itself where it is one of this machine's, else the local address this machine
+    reaches it from (no packet is sent)."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(address, 0, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((sockaddr[0], 0))
+            return sockaddr[0]
+        except OSError:
+            probe.connect(sockaddr)
+            return probe.getsockname()[0]

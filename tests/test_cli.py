@@ -11,9 +11,16 @@ from dataclasses import fields
 import pytest
 
 import minicore.__main__ as cli
-from minicore.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
-                             SchedulerConfig, SimulatedCost, create_engine_config)
+from minicore.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    create_engine_config,
+)
 from minicore.engine.arg_utils import engine_kwargs_from_cli
+from minicore.model.config import SimulatedCost
 
 CONFIGS = (ModelConfig, SchedulerConfig, CacheConfig, ParallelConfig)
 RUNTIME_FIELDS = {"num_blocks", "data_parallel_rank"}

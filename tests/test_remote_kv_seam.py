@@ -11,9 +11,9 @@ from minicore.config import CacheConfig, EngineConfig
 from minicore.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from minicore.kv_transfer.config import KVTransferConfig
 from minicore.kv_transfer.nixl import NixlConnector
-from minicore.outputs import KVConnectorOutput
 from minicore.request import RequestStatus
 from minicore.scheduler import BalanceScheduler, Scheduler
+from minicore.scheduler.output import KVConnectorOutput
 from minicore.scheduler.remote_kv import ConnectorRemoteKV, NoRemoteKV
 from minicore.testing import (
     fake_model_output,

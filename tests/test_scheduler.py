@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from minicore.outputs import ModelRunnerOutput
 from minicore.request import FinishReason, Request, RequestStatus
 from minicore.sampling_params import SamplingParams
+from minicore.scheduler.output import ModelRunnerOutput
 from minicore.testing import (
     FAKE_TOKEN_BASE,
     fake_model_output,

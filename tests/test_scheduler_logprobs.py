@@ -3,11 +3,11 @@
 even across a preemption, sampled-token logprobs ride on their token's output, and a request
 asking for prompt logprobs reads no prefix cache (vLLM's skip_reading_prefix_cache)."""
 
-from minicore.outputs import ModelRunnerOutput
 from minicore.protocol import LogprobsLists
 from minicore.request import Request
 from minicore.sampling_params import SamplingParams
 from minicore.scheduler.logprobs import take_new_prompt_logprobs
+from minicore.scheduler.output import ModelRunnerOutput
 from minicore.testing import default_tokens, make_request, make_scheduler, outputs_by_id
 
 

@@ -44,10 +44,10 @@ from hypothesis.errors import InvalidArgument
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from minicore.config import CacheConfig, SchedulerConfig
-from minicore.outputs import ModelRunnerOutput
 from minicore.request import FinishReason, Request, RequestStatus
 from minicore.sampling_params import SamplingParams
 from minicore.scheduler import FreeKVCacheBlockQueue, KVCacheBlock, Scheduler
+from minicore.scheduler.output import ModelRunnerOutput
 
 VOCAB = 40  # output vocab of the fake model; prompt tokens are drawn from the same range
 MAX_PROMPT = 80

@@ -15,13 +15,9 @@ from minicore.config import SchedulerConfig, create_engine_config
 from minicore.engine.input_processor import InputProcessor, InvalidRequestError
 from minicore.request import Request
 from minicore.sampling_params import SamplingParams
-from minicore.scheduler.policies import (
-    FCFSRequestQueue,
-    PriorityRequestQueue,
-    SchedulingPolicy,
-    get_policy,
-    policy_names,
-)
+from minicore.scheduler.policies import SchedulingPolicy, get_policy, policy_names
+from minicore.scheduler.policies.fcfs import FCFSRequestQueue
+from minicore.scheduler.policies.priority import PriorityRequestQueue
 from minicore.testing import make_request, make_scheduler, step
 
 POLICIES_DIR = Path(__file__).resolve().parents[1] / "minicore" / "scheduler" / "policies"

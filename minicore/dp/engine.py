@@ -7,37 +7,14 @@ KV cache and model replica; ranks meet only in the collectives of minicore/dp/gr
 expert parallelism (--enable-expert-parallel), inside the model's forward.
 
 The rule that keeps ranks from hanging: every rank issues the same DP-group collectives in the
-same order, one at a time, all from this busy loop (each awaited before the next; none while a
-forward runs). One iteration of a running wave issues, in this order:
-  1. exactly one forward: the step's or, with nothing scheduled, a dummy batch; with a runner
-     whose forwards report a step time (the simulated one, minicore/model/registry.py) either one
-     is followed by max_step_time (its stand-in for an MoE model's all-to-alls);
-  2. every 32nd step of the wave: has_global_unfinished_reqs;
-  3. with balance scheduling: gather_running_counts (or max_running_count, with
-     --balance-count-sync all-reduce-max), on every iteration, dummy ones included (a gather
-     inside schedule(), or before the idle check, deadlocks: a drained rank never schedules).
-The dummy batch is why a rank with no work still runs iterations while the wave runs: it keeps the
-rank issuing 1-3 with its peers (when it runs, and which steps sync, are minicore/dp/wave.py's
-rules, which the policy simulator follows too). For the dense transformers runner the dummy forward
-itself exchanges nothing (the replicas meet only at 2 and 3); for the simulated runner it also
-keeps the step-time all-reduce in step.
-
-With expert parallelism every forward, dummy ones included, issues the model's own collectives on
-a second group of the same ranks (DPGroup.new_expert_parallel_group; minicore/model/
-expert_parallel.py): one token-count all-gather, then per MoE layer an all-gather and a
-reduce-scatter, on the forward thread. So 1 must hold exactly: a rank whose step schedules nothing
-(its requests held back by the balance gate, blocked on KV blocks, or all aborted) has not run a
-forward (_process_engine_step reports False, as the runner skips an empty batch) and runs the
-dummy batch instead; a rank with no request at all does the same while the wave runs. A peer that
-dies fails the pending collective in the forward with a RuntimeError (within about a second; a hung
-peer after the group's timeout), which ends this rank with ENGINE_CORE_DEAD like any other
-collective's failure outside shutdown.
-
-Waves: the ranks run together from the first request after an idle period to the all-reduce that
-finds no unfinished request anywhere; then rank 0 reports wave_complete, every rank advances its
-wave number and idles. A request wakes the rank it reaches, and the frontend wakes the others with
-START_DP_WAVE (or the woken rank asks it to, when the request was sent for a wave that has ended).
-The engine side's wave state lives here; the frontend's in DPCoordinator
+same order, one at a time, all from this busy loop. One iteration of a running wave issues:
+  1. exactly one forward: the step's or, with nothing scheduled, a dummy batch (minicore/dp/wave.py
+     says when); with expert parallelism every forward meets the peers in every MoE layer, and
+     with a runner that reports a step time (the simulated one) max_step_time follows it;
+  2. every 32nd step of the wave: has_global_unfinished_reqs, which can end the wave;
+  3. with balance scheduling: the running counts (all-gather or all-reduce MAX), on every
+     iteration, dummy ones included (inside schedule() a drained rank would never reach it).
+Waves, and why each rule holds: docs/DATA_PARALLEL.md; the frontend's side: DPCoordinator
 (minicore/dp/coordinator.py).
 Left out: elastic scaling (reinitialize_distributed), Ray actors, external load balancers.
 """

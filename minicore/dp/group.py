@@ -25,15 +25,15 @@ everywhere).
 """
 
 import asyncio
-import errno
 import queue
-import socket
 import threading
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, ProcessGroup, ProcessGroupGloo, TCPStore
+
+from minicore.utils import listen_on, local_address_towards
 
 
 class DPGroup:
@@ -45,13 +45,14 @@ class DPGroup:
         timeout = self._timeout = timedelta(seconds=timeout_s)
         self._expert_parallel_groups: list[ProcessGroup] = []
         # Bound before the store exists: a port in use is an error now, not a timeout later.
-        listen_fd = _listen_on(address, port).detach() if rank == 0 else None
+        listen_fd = (listen_on(address, port, "DP rank 0's rendezvous", "--data-parallel-rpc-port")
+                     .detach() if rank == 0 else None)
         try:
             # The store owns listen_fd from here (it closes it when it goes).
             self._store = TCPStore(address, port, world_size=size, is_master=rank == 0,
                                    timeout=timeout, wait_for_workers=True,
                                    master_listen_fd=listen_fd, use_libuv=True)
-            self._bind_address = _local_address_towards(address)
+            self._bind_address = local_address_towards(address)
             self._group = _gloo_group(self._store, rank, size, self._bind_address, timeout)
         except (RuntimeError, OSError) as e:  # DistError is a RuntimeError
             raise RuntimeError(f"DP rank {rank} of {size}: the group at tcp://{address}:{port} did "
@@ -128,40 +129,6 @@ class DPGroup:
             self._group.shutdown()
             # Rank 0's store stops listening once the last reference (the group's) goes.
             self._group = self._store = None
-
-
-def _listen_on(address: str, port: int) -> socket.socket:
-    """Rank 0's listening socket for the store, on address:port only."""
-    try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            # A port left in TIME_WAIT by the previous server is fine; one in use is not.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(sockaddr)
-            sock.listen(128)
-        except OSError:
-            sock.close()
-            raise
-    except OSError as e:
-        hint = {errno.EADDRINUSE: f" (another server on --data-parallel-rpc-port {port}?)",
-                errno.EADDRNOTAVAIL: " (not an address of this machine)"}.get(e.errno, "")
-        raise RuntimeError(f"DP rank 0 cannot host the group's rendezvous on {address}:{port}: "
-                           f"{e}{hint}") from None
-    return sock
-
-
-def _local_address_towards(address: str) -> str:
-    """The address for this rank's gloo sockets: address itself where it is one of this machine's
-    (rank 0's machine), else the local address this machine reaches it from (no packet is sent)."""
-    family, _, _, _, sockaddr = socket.getaddrinfo(address, 0, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.bind((sockaddr[0], 0))
-            return sockaddr[0]
-        except OSError:
-            probe.connect(sockaddr)
-            return probe.getsockname()[0]
 
 
 def _gloo_group(store: TCPStore | PrefixStore, rank: int, size: int, bind_address: str,

@@ -25,11 +25,10 @@ from dataclasses import dataclass, field
 
 from minicore.config import CacheConfig, SchedulerConfig
 from minicore.dp.wave import is_sync_step, runs_dummy_batch
-from minicore.outputs import ModelRunnerOutput
 from minicore.request import Request
 from minicore.sampling_params import SamplingParams
 from minicore.scheduler.balance import BalanceScheduler
-from minicore.scheduler.output import SchedulerOutput
+from minicore.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from minicore.scheduler.scheduler import Scheduler
 
 

@@ -21,10 +21,10 @@ from minicore.kv_transfer.base import KVConnectorBase_V1, KVConnectorRole
 from minicore.kv_transfer.worker import execute_model_with_kv_connector
 from minicore.model.registry import runner_info
 from minicore.model.runner_base import ModelRunnerInterface
-from minicore.outputs import ModelRunnerOutput
 from minicore.protocol import EngineCoreOutput
 from minicore.request import Request, RequestStatus
 from minicore.scheduler import BalanceScheduler, Scheduler, SchedulerOutput
+from minicore.scheduler.output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Incremental detokenizer: turns each request's new token ids into new text, and finds stop strings.
+"""Incremental detokenizer: turns each request's new token ids into new text, finds stop strings.
 
 Mirrors vllm/v1/engine/detokenizer.py (the "slow" incremental path of
 vllm/transformers_utils/detokenizer_utils.py): it decodes a short window of tokens twice, with and
@@ -18,7 +18,7 @@ class IncrementalDetokenizer:
                  include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
                  spaces_between_special_tokens: bool = True):
         # A fast tokenizer's Rust backend decodes faster than transformers' wrapper around it,
-        # which adds nothing when it does not clean up spaces (vLLM's fast detokenizer does this too).
+        # which adds nothing when it does not clean up spaces (vLLM's fast detokenizer does too).
         backend = getattr(tokenizer, "_tokenizer", None)
         if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
             backend = tokenizer
@@ -57,7 +57,8 @@ class IncrementalDetokenizer:
         """The stop string that matches earliest, where a match must end in the new text; the
         text is cut before it, or after it with include_stop_str_in_output."""
         matches = [(index, stop) for stop in self.stop
-                   if (index := self.output_text.find(stop, max(0, new_text_start - len(stop) + 1))) >= 0]
+                   if (index := self.output_text.find(
+                       stop, max(0, new_text_start - len(stop) + 1))) >= 0]
         if not matches:
             return None
         index, stop = min(matches)

@@ -156,9 +156,8 @@ def _configure_process(config: EngineConfig, engine_index: int) -> None:
 
     device = config.model_config.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if torch.device(device).type == "cpu":
-        # The local DP ranks share every core: the frontend mostly waits on sockets. Measured on 2
-        # cores (docs/BENCHMARKS.md, bench_serve on the default model, concurrency 16): 98 output
-        # tok/s with 2 threads against 71 with 1 (which left a core to the frontend).
+        # The local DP ranks share every core: the frontend mostly waits on sockets (one thread
+        # fewer, to leave it a core, served less: docs/BENCHMARKS.md).
         num_local = config.parallel_config.data_parallel_size_local or 1
         threads = (os.environ.get("MINICORE_CPU_THREADS")
                    or max(1, (os.cpu_count() or 1) // num_local))

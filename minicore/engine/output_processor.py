@@ -27,8 +27,7 @@ from minicore.engine.detokenizer import IncrementalDetokenizer
 from minicore.engine.input_processor import InvalidRequestError
 from minicore.engine.logprobs import LogprobsProcessor
 from minicore.outputs import CompletionOutput, RequestOutput, RequestStateStats
-from minicore.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreRequest
-from minicore.protocol import FinishReason
+from minicore.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreRequest, FinishReason
 from minicore.sampling_params import SamplingParams
 
 

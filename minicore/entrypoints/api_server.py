@@ -4,8 +4,9 @@ Mirrors vllm/entrypoints/openai/api_server.py (the routes, the API-key middlewar
 handlers that turn every failure into an OpenAI error body, build_app, run_server; with_cancellation
 and the response helpers are in utils.py) and vllm/entrypoints/launcher.py (serve_http: uvicorn on
 our own event loop; on SIGTERM stop accepting, abort the requests in flight, stop the engine, and
-exit 0). The endpoints' logic is in serving.py. Left out: the other OpenAI endpoints (embeddings, audio,
-responses), CORS and SSL options, multiple API servers, /sleep and the dev endpoints but /reset_prefix_cache.
+exit 0). The endpoints' logic is in serving.py. Left out: the other OpenAI endpoints (embeddings,
+audio, responses), CORS and SSL options, multiple API servers, /sleep and the dev endpoints but
+/reset_prefix_cache.
 """
 
 import asyncio
@@ -37,7 +38,6 @@ from minicore.entrypoints.openai_protocol import (
 )
 from minicore.entrypoints.serving import OpenAIServing
 from minicore.entrypoints.serving_tokenization import detokenize, tokenize
-from minicore.logger import uvicorn_log_config
 from minicore.entrypoints.utils import (
     SSEResponse,
     error_response,
@@ -45,6 +45,7 @@ from minicore.entrypoints.utils import (
     json_response,
     with_cancellation,
 )
+from minicore.logger import uvicorn_log_config
 
 logger = logging.getLogger(__name__)
 

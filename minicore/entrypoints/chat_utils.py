@@ -144,7 +144,8 @@ def resolve_chat_template_kwargs(tokenizer, template: str, kwargs: dict) -> dict
 @lru_cache(maxsize=16)
 def _template_variables(template: str) -> frozenset[str]:
     try:
-        return frozenset(jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template)))
+        return frozenset(jinja2.meta.find_undeclared_variables(
+            jinja2.Environment().parse(template)))
     except jinja2.TemplateSyntaxError as e:
         raise InvalidRequestError(f"the chat template is not valid Jinja: {e}",
                                   "chat_template") from None

@@ -47,8 +47,7 @@ from prometheus_client.process_collector import ProcessCollector
 
 from minicore.config import CacheConfig, EngineConfig
 from minicore.engine.output_processor import RequestState
-from minicore.protocol import SchedulerStats
-from minicore.protocol import FinishReason
+from minicore.protocol import FinishReason, SchedulerStats
 
 logger = logging.getLogger("minicore.stats")
 
@@ -224,8 +223,9 @@ class ServerMetrics:
         num_gpu_blocks for num_blocks) and engine_sleep_state (minicore never sleeps)."""
         info = {("num_gpu_blocks" if f.name == "num_blocks" else f.name):
                 str(getattr(cache_config, f.name)) for f in dataclasses.fields(cache_config)}
-        cache_info = Gauge(f"{prefix}:cache_config_info", "Information of the LLMEngine CacheConfig",
-                           list(info) + ["engine"], registry=self.registry)
+        cache_info = Gauge(f"{prefix}:cache_config_info",
+                           "Information of the LLMEngine CacheConfig", list(info) + ["engine"],
+                           registry=self.registry)
         sleep = Gauge(f"{prefix}:engine_sleep_state", SLEEP_STATE_HELP, LABELS + ["sleep_state"],
                       registry=self.registry)
         for e in range(self.num_engines):

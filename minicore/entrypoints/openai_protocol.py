@@ -3,11 +3,11 @@
 Mirrors vllm/entrypoints/openai/protocol.py. Requests are pydantic models, as in vLLM, so FastAPI
 reports type errors with the field's path; their sampling fields become a SamplingParams, whose
 checks are the one source of truth for value ranges. Responses are msgspec Structs: a streamed
-token costs one small JSON encode, and msgspec does that faster than pydantic
-(docs/BENCHMARKS.md).
-kv_transfer_params (prefill/decode disaggregation) is a vLLM extension: taken in both request bodies,
-and returned at the top level of whole responses ("kv_transfer_params": null when there are none,
-as vLLM's model_dump shows it) but not on stream chunks, which in vLLM have no such field either.
+token costs one small JSON encode, and msgspec does that faster than pydantic (docs/BENCHMARKS.md).
+kv_transfer_params (prefill/decode disaggregation) is a vLLM extension: taken in both request
+bodies, and returned at the top level of whole responses ("kv_transfer_params": null when there are
+none, as vLLM's model_dump shows it) but not on stream chunks, which in vLLM have no such field
+either.
 Every sampling field vLLM takes maps to SamplingParams as vLLM's to_sampling_params does: a field
 left unset takes the generation config's default (get_diff_sampling_param), then OpenAI's.
 Logprob records live in logprobs_format.py. Refused with a 400 naming the field (never silently
@@ -28,6 +28,7 @@ from minicore.entrypoints.logprobs_format import (
     CompletionLogProbs,
     PromptLogprobsJSON,
 )
+
 # The error records are re-exported: the endpoints take them from here with the requests.
 from minicore.entrypoints.openai_errors import (  # noqa: F401
     OpenAIError,

@@ -199,8 +199,8 @@ class OpenAIServing(OpenAIServingBase):
 
         # As OpenAI: each choice opens with the role, then the content comes in deltas.
         for c in choices:
-            yield chunk([ChatCompletionResponseStreamChoice(c.index, DeltaMessage("assistant", ""))],
-                        continuous(c))
+            yield chunk([ChatCompletionResponseStreamChoice(
+                c.index, DeltaMessage("assistant", ""))], continuous(c))
             if echo:
                 yield chunk([ChatCompletionResponseStreamChoice(c.index, DeltaMessage(
                     content=echo))], continuous(c))

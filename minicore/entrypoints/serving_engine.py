@@ -260,7 +260,8 @@ class OpenAIServingBase:
         if output.prompt_logprobs is not None:
             choice.prompt_logprobs = output.prompt_logprobs
         if output.finished:
-            choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason
+            choice.finish_reason = completion.finish_reason
+            choice.stop_reason = completion.stop_reason
             choice.kv_transfer_params = output.kv_transfer_params
         return delta
 

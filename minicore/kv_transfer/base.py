@@ -72,6 +72,7 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 (vLLM's name)
     def register_kv_caches(self, kv_caches: list[Any]) -> None:
         """The runner's paged KV cache, one tensor per layer (kv_cache_shape in
         minicore/model/attention.py). vLLM passes a dict by layer name."""
+        return None
 
     @abstractmethod
     def start_load_kv(self) -> None:
@@ -80,6 +81,7 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 (vLLM's name)
 
     def wait_for_save(self) -> None:
         """Block until this step's KV writes (if any) are done."""
+        return None
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
@@ -94,6 +96,7 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 (vLLM's name)
 
     def shutdown(self) -> None:
         """Release the connector's threads, sockets and registrations."""
+        return None
 
     # ---- scheduler side ------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ class KVTransferConfig:
     # This instance's name to its peers; unique per instance (vLLM: a uuid4 by default).
     engine_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     # NixlConnector: side_channel_host, side_channel_port (vLLM's VLLM_NIXL_SIDE_CHANNEL_HOST/PORT;
-    # the port is offset by the DP rank), abort_request_timeout (s, VLLM_NIXL_ABORT_REQUEST_TIMEOUT),
+    # the port is offset by DP rank), abort_request_timeout (s, VLLM_NIXL_ABORT_REQUEST_TIMEOUT),
     # handshake_timeout (s), backends (NIXL backends, default ["UCX"]).
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
     # The module to import kv_connector from, for a connector minicore does not ship.

@@ -155,7 +155,8 @@ class NixlConnectorScheduler:
             self._reqs_need_recv[request.request_id] = (request, [])
             params["do_remote_prefill"] = False
             return False, None
-        if not params.get("do_remote_decode") or request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
+        if (not params.get("do_remote_decode")
+                or request.status != RequestStatus.FINISHED_LENGTH_CAPPED):
             # Not a prefill for a peer, or one that stopped early or was aborted: free now.
             return False, None
         delay_free = bool(block_ids)

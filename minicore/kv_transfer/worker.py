@@ -11,8 +11,7 @@ Left out: layer-wise loads and saves, connector stats.
 
 from minicore.kv_transfer.base import KVConnectorBase_V1
 from minicore.model.runner_base import ModelRunnerInterface
-from minicore.outputs import KVConnectorOutput, ModelRunnerOutput
-from minicore.scheduler.output import SchedulerOutput
+from minicore.scheduler.output import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 
 
 def execute_model_with_kv_connector(runner: ModelRunnerInterface, connector: KVConnectorBase_V1,

@@ -275,7 +275,7 @@ def _gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
     """Keys and values of the blocks of each row of ``block_tables`` (``[rows, blocks]``):
     ``[2, rows, kv_heads, blocks * block_size, head_dim]``."""
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
-    # index_select on whole blocks is several times faster on CPU than kv_cache[:, block_tables].
+    # index_select on whole blocks is faster on CPU than kv_cache[:, block_tables].
     kv = kv_cache.flatten(2).index_select(1, block_tables.flatten())
     kv = kv.view(2, block_tables.shape[0], -1, num_kv_heads, head_dim)
     return kv.transpose(2, 3)

@@ -4,17 +4,13 @@ rows, else ``(W @ x^T)^T``.
 vLLM's CPU backend routes its linear layers through its own GEMM dispatch
 (``vllm/model_executor/layers/utils.py`` ``dispatch_cpu_unquantized_gemm``, oneDNN on
 pre-packed weights). On torch's MKL build, eager ``F.linear`` with few rows (a decode step:
-one row per sequence) spreads poorly over the threads: the LM head of SmolLM2-135M takes 20 ms
-for 16 rows on two AVX2 cores, and the same product with the operands swapped, one sgemm over
-the weight's long side, 13 ms (27 vs 33 ms at 64 rows; 10-35% on the layers' own shapes). Up to
-32 rows, native.py's kernel (``csrc/linear.c``), which reads each weight once without MKL's
-per-call packing, is faster still: at 16 rows the layers of a step take ~36 ms against ~59
-(LM head 7.6 against 14), and a decode step of 16 sequences 68 ms against 91; from 2 to 12
-rows, where ``F.linear`` stays, it halves the layers' time. A single row stays on ``F.linear``
+one row per sequence) spreads poorly over the threads, and the same product with the operands
+swapped, one sgemm over the weight's long side, is faster. Up to 32 rows, native.py's kernel
+(``csrc/linear.c``), which reads each weight once without MKL's per-call packing, is faster
+still (docs/BENCHMARKS.md has the figures). A single row stays on ``F.linear``
 (MKL's matrix-vector product, as fast, both bound by reading the weights). Past 32 rows it
 loses on most shapes (its copy of x no longer stays in cache), except on a layer much wider than
-deep, the LM head, where it wins up to 128 rows (22 against 27 ms, plus 3.5 for copying the
-swapped product's output back to row-major, at 64 rows). Its sums run in
+deep, the LM head, where it wins up to 128 rows. Its sums run in
 another order than MKL's, so its outputs are a few ulps from ``F.linear``'s (the greedy parity
 tests hold). From 12 to 128 rows without it, and from 33 to 128 with it, the swapped product is
 used: there its results equal ``F.linear``'s bit for bit (below 12 rows MKL's small-batch

@@ -3,9 +3,8 @@
 vLLM's CPU platform preloads the tcmalloc it bundles into its workers (``vllm/platforms/cpu.py``,
 ``LD_PRELOAD``), because glibc's malloc hands every large block back to the kernel when it is
 freed: each step's activations then come back as fresh pages, and every page costs a fault and a
-zeroing on first touch. A prefill step of 8192 tokens of SmolLM2-135M makes ~50 MB intermediates:
-on two AVX2 cores a SiLU over one takes 23 ms with glibc's defaults and 11 ms with freed blocks
-kept, and the whole step 15.0 s against 12.7 s (docs/BENCHMARKS.md). minicore gets the same from
+zeroing on first touch. A prefill step of 8192 tokens of SmolLM2-135M makes ~50 MB intermediates,
+and keeping freed blocks makes it measurably faster (docs/BENCHMARKS.md). minicore gets that from
 glibc itself, without a preload: ``mallopt`` raises the mmap and trim thresholds, so blocks of up
 to 1 GiB are taken from, and freed back to, the heap. The heap then keeps the largest step's
 memory until the process exits. Elsewhere than glibc this does nothing.

@@ -250,8 +250,7 @@ def fill_rows(pools: list[torch.Tensor], kv_cache: torch.Tensor, block_tables: t
 def kernel_decode_attention(q: torch.Tensor, layer: int, rows: RowKV, seq_lens: torch.Tensor,
                             scaling: float, window: int | None,
                             softcap: float | None) -> torch.Tensor:
-    """pooled_decode_attention by the native kernel (native.py: 0.93 against 1.46 ms a layer at
-    64 sequences of ~190 tokens, SmolLM2-135M, two AVX2 cores)."""
+    """pooled_decode_attention by the native kernel (native.py; docs/BENCHMARKS.md)."""
     return decode_attention(rows.kernel, q, rows.pointers[layer], rows.slots, seq_lens.view(-1),
                             rows.chunk_size, rows.max_len, scaling, window, softcap)
 
@@ -264,7 +263,7 @@ def pooled_decode_attention(q: torch.Tensor, layer: int, rows: RowKV, seq_lens: 
     matmul over its used slots for the scores, one softmax over every chunk's scores, per chunk
     one matmul for the values. Slots of requests that are not decoding this step land in an extra
     row, dropped. Plain matmuls rather than SDPA: for decode's few query rows per KV head, SDPA's
-    CPU flash kernel took 1.6 ms a layer where these take 1.0; and they take the soft-cap, which
+    CPU flash kernel is slower (docs/BENCHMARKS.md); and they take the soft-cap, which
     SDPA has not."""
     pools = [chunk[layer] for chunk in rows.pools]
     num_seqs = q.shape[0]

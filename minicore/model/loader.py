@@ -5,7 +5,7 @@ and GGUF loaders), reduced to what minicore needs: the model itself is a plain t
 ``AutoModelForCausalLM``. Left out: downloads (there is never network access), quantized execution
 (a GGUF is de-quantized to floats on load), sharded/tensor-parallel loading and LoRA.
 
-A ``.gguf`` file takes transformers about 20 s to convert, so the first load saves a safetensors
+A ``.gguf`` file is slow for transformers to convert, so the first load saves a safetensors
 copy under ``$MINICORE_CACHE`` (default ``~/.cache/minicore``) and later loads read that copy. The
 copy is keyed by the GGUF's name, size and mtime, and written to a temporary directory that is
 renamed into place only when complete, so a crash never leaves a half-written cache entry behind.
@@ -198,8 +198,8 @@ def cached_conversion(gguf: Path, cache_dir: Path) -> Path:
     if (target / "config.json").is_file():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
-    logger.info("Converting %s to safetensors once (de-quantized, about 20 s); later loads read "
-                "the copy cached at %s", gguf, target)
+    logger.info("Converting %s to safetensors once (de-quantized, tens of seconds); later loads "
+                "read the copy cached at %s", gguf, target)
     tmp = cache_dir / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     try:
         tmp.mkdir()

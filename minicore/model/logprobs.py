@@ -15,9 +15,8 @@ import torch
 
 from minicore.model.runner_base import CachedRequestState
 from minicore.model.sampler import LogprobsTensors, compute_logprobs, gather_logprobs, num_logprobs
-from minicore.outputs import ModelRunnerOutput
 from minicore.protocol import LogprobsLists
-from minicore.scheduler.output import SchedulerOutput
+from minicore.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 # Prompt positions whose logits are computed at once for prompt logprobs: [512, V] float32.
 PROMPT_LOGPROBS_SLICE = 512

@@ -3,13 +3,13 @@
 vLLM's CPU backend ships compiled kernels (csrc/cpu, behind ``vllm/v1/attention/backends/
 cpu_attn.py`` and ``vllm/model_executor/layers/utils.py``). torch has no decode attention that
 reads per-request rows at memory speed (its batched matmuls over decode's few query rows per KV
-head stream keys at ~15 GB/s where two AVX2 cores stream 30), and MKL repacks a whole weight on
+head stream keys at about half the machine's memory bandwidth), and MKL repacks a whole weight on
 every product, which at decode's few rows costs as much as the product. ``csrc/`` holds the two
 (``decode_attention.c``: scores over the keys and the weighted sum of the values, the softmax
 between them staying in torch; ``linear.c``). They are compiled with the machine's C compiler
 (``$CC``, else ``cc``; ``-O3 -march=native -fopenmp``) into ``$MINICORE_CACHE/kernels`` under a
-name keyed by sources, flags and CPU, once per machine (~2 s), and loaded with ctypes. Their
-OpenMP runtime is the one torch already loaded (same soname), so their threads are torch's.
+name keyed by sources, flags and CPU, once per machine (a few seconds), and loaded with ctypes.
+Their OpenMP runtime is the one torch already loaded (same soname), so their threads are torch's.
 Without a compiler, or if the build fails, both stay in torch, with a warning. Left out: other
 dtypes than float32.
 """

@@ -32,8 +32,7 @@ from minicore.model.logprobs import LogprobsOutput
 from minicore.model.native import native_kernels
 from minicore.model.runner_base import CachedRequestState, ModelRunnerBase
 from minicore.model.sampler import SamplingMetadata, sample
-from minicore.outputs import ModelRunnerOutput
-from minicore.scheduler.output import SchedulerOutput
+from minicore.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,8 @@ loads no torch. Left out: the persistent input batch and its reordering.
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from minicore.outputs import ModelRunnerOutput
 from minicore.sampling_params import SamplingParams
-from minicore.scheduler.output import SchedulerOutput
+from minicore.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 
 class ModelRunnerInterface(Protocol):

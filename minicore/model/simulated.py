@@ -32,8 +32,7 @@ from pathlib import Path
 
 from minicore.config import EngineConfig
 from minicore.model.runner_base import ModelRunnerBase
-from minicore.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
-from minicore.scheduler.output import SchedulerOutput
+from minicore.scheduler.output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

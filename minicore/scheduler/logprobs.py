@@ -8,10 +8,9 @@ once per step, after building the outputs; without logprobs in the runner output
 once. Left out: vLLM's num_nans_in_logits and the pooling outputs.
 """
 
-from minicore.outputs import ModelRunnerOutput
 from minicore.protocol import EngineCoreOutput, LogprobsLists
 from minicore.request import Request
-from minicore.scheduler.output import SchedulerOutput
+from minicore.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 
 def add_logprobs(outputs: list[EngineCoreOutput], requests: dict[str, Request],

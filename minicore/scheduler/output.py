@@ -1,6 +1,8 @@
-"""SchedulerOutput: what one step runs, as the model runner needs it.
+"""What passes between the scheduler and the model runner: SchedulerOutput, what one step runs,
+and ModelRunnerOutput, what it sampled.
 
-Mirrors vllm/v1/core/sched/output.py. As in vLLM's v2 model runner, a request resumed after
+Mirrors vllm/v1/core/sched/output.py, and ModelRunnerOutput and KVConnectorOutput from
+vllm/v1/outputs.py. As in vLLM's v2 model runner, a request resumed after
 preemption is sent as new (with all its token ids), so the runner keeps no state across a
 preemption. Left out: speculative tokens, encoder inputs.
 """
@@ -9,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from minicore.protocol import LogprobsLists
 from minicore.request import Request
 from minicore.sampling_params import SamplingParams
 
@@ -57,3 +60,31 @@ class SchedulerOutput:
     # None without a connector.
     kv_connector_metadata: Any = None
 
+
+@dataclass(slots=True)
+class KVConnectorOutput:
+    """What the worker side of a KV connector reports after a step (vLLM: KVConnectorOutput)."""
+    # Held blocks the peer has read (or whose wait timed out): the scheduler frees them.
+    finished_sending: set[str] | None = None
+    # Remote KV that has arrived: the request leaves WAITING_FOR_REMOTE_KVS.
+    finished_recving: set[str] | None = None
+    # Local blocks whose load failed: their requests recompute from the last valid block.
+    invalid_block_ids: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    # One list per request in req_ids: the tokens it sampled this step, empty for a request that is
+    # still in the middle of a chunked prefill.
+    sampled_token_ids: list[list[int]]
+    # Set only when the engine runs a KV connector.
+    kv_connector_output: KVConnectorOutput | None = None
+    # Per request id, for the requests that asked: the sampled token's top logprobs (one row per
+    # sampled token) and the logprobs of this step's chunk of prompt positions.
+    logprobs: dict[str, LogprobsLists] | None = None
+    prompt_logprobs: dict[str, LogprobsLists] | None = None
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

@@ -25,9 +25,9 @@ Left out: synchronous external loads (minicore's connectors load asynchronously 
 
 from typing import TYPE_CHECKING
 
-from minicore.outputs import KVConnectorOutput
 from minicore.protocol import EngineCoreOutput
 from minicore.request import Request, RequestStatus
+from minicore.scheduler.output import KVConnectorOutput
 
 if TYPE_CHECKING:
     from minicore.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata

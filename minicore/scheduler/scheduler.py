@@ -24,12 +24,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from minicore.config import CacheConfig, SchedulerConfig
-from minicore.outputs import ModelRunnerOutput
 from minicore.protocol import EngineCoreEvent, EngineCoreEventType, EngineCoreOutput, SchedulerStats
 from minicore.request import Request, RequestStatus
 from minicore.scheduler.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from minicore.scheduler.logprobs import add_logprobs
-from minicore.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from minicore.scheduler.output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from minicore.scheduler.policies import get_policy
 from minicore.scheduler.remote_kv import ConnectorRemoteKV, NoRemoteKV
 

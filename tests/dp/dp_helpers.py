@@ -7,13 +7,15 @@ import contextlib
 import time
 from collections.abc import Callable
 
-from minicore.config import SimulatedCost, create_engine_config
+from minicore.config import create_engine_config
 from minicore.engine.async_llm import AsyncLLM
+from minicore.model.config import SimulatedCost
 from minicore.model.simulated import next_token, read_vocab
 from minicore.utils import free_port_pair  # noqa: F401  (the DP tests import it from here)
 
 STARTUP_TIMEOUT_S = 120
-# Waves end at the every-32-steps sync: even slow steps on a loaded machine end one well within this.
+# Waves end at the every-32-steps sync: even slow steps on a loaded machine end one well within
+# this.
 IDLE_TIMEOUT_S = 15
 
 
@@ -73,5 +75,6 @@ async def assert_all_engines_idle(client: AsyncLLM, timeout: float = 10) -> None
         assert stats["request_ids"] == [], f"rank {rank} still holds {stats['request_ids']}"
         assert (stats["num_running_reqs"], stats["num_waiting_reqs"]) == (0, 0), (rank, stats)
     dead = [rank for rank, proc in client.engine_core.procs.items() if not proc.is_alive()]
-    assert not dead and client.is_healthy, f"engine ranks {dead} died ({client.engine_core._dead_reason})"
+    assert not dead and client.is_healthy, (
+        f"engine ranks {dead} died ({client.engine_core._dead_reason})")
     assert client.output_processor.request_states == {}

@@ -189,7 +189,8 @@ async def run_request(client: AsyncLLM, req: PlannedRequest, outputs: dict) -> N
     consumer = asyncio.create_task(consume())
     if req.abort == "early":
         await asyncio.sleep(0)  # the consumer's first step sends the request
-        assert req.request_id in client.output_processor.request_states, "the request was not sent yet"
+        assert req.request_id in client.output_processor.request_states, (
+            "the request was not sent yet")
         await client.abort(req.request_id)
     await consumer
 
@@ -222,7 +223,8 @@ class EngineOutputTap:
 
 
 def describe_stuck(client: AsyncLLM) -> str:
-    unfinished = {rid: state.engine_index for rid, state in client.output_processor.request_states.items()}
+    unfinished = {rid: state.engine_index
+                  for rid, state in client.output_processor.request_states.items()}
     alive = {rank: proc.is_alive() for rank, proc in client.engine_core.procs.items()}
     c = client.engine_core.coordinator
     return (f"unfinished requests by engine {unfinished}, coordinator wave {c.current_wave} "

@@ -7,9 +7,10 @@ import tempfile
 import msgspec
 import zmq
 
-from minicore.config import SimulatedCost, create_engine_config
-from minicore.utils import make_zmq_socket
+from minicore.config import create_engine_config
+from minicore.model.config import SimulatedCost
 from minicore.protocol import ENGINE_CORE_DEAD, EngineCoreOutputs, EngineCoreRequestType
+from minicore.utils import make_zmq_socket
 
 
 def simulated_config(step_s: float = 0.0, **engine_args):

@@ -239,7 +239,8 @@ async def test_killed_engine_fails_in_flight_requests_fast():
 
         async with asyncio.timeout(20):
             tasks = [asyncio.create_task(stream(i)) for i in range(8)]
-            while sum(bool(s.token_ids) for s in client.output_processor.request_states.values()) < 8:
+            while sum(bool(s.token_ids)
+                      for s in client.output_processor.request_states.values()) < 8:
                 await asyncio.sleep(0.005)
             start = time.monotonic()
             os.kill(client.engine_core.procs[0].pid, signal.SIGKILL)

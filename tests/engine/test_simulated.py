@@ -6,8 +6,9 @@ import time
 
 import pytest
 
-from minicore.config import SimulatedCost, create_engine_config
+from minicore.config import create_engine_config
 from minicore.engine.core import EngineCore
+from minicore.model.config import SimulatedCost
 from minicore.model.simulated import (
     DEFAULT_VOCAB_SIZE,
     NOMINAL_KV_BYTES_PER_TOKEN,

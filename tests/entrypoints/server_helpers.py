@@ -58,7 +58,8 @@ class ServerProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.25)
-        raise TimeoutError(f"the server was not healthy within {STARTUP_TIMEOUT_S} s:\n{self.log()}")
+        raise TimeoutError(
+            f"the server was not healthy within {STARTUP_TIMEOUT_S} s:\n{self.log()}")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]

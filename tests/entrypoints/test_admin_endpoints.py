@@ -8,14 +8,14 @@ import asyncio
 
 import httpx
 import pytest
+from server_helpers import ServerProcess
+from test_api_unit import MODEL, ScriptedClient, _events, tokenizer_and_vocab
 
 from minicore.config import create_engine_config
 from minicore.entrypoints.api_server import build_app
 from minicore.entrypoints.metrics import ServerMetrics
 from minicore.entrypoints.serving import OpenAIServing
 from minicore.outputs import CompletionOutput, RequestOutput
-from server_helpers import ServerProcess
-from test_api_unit import MODEL, ScriptedClient, _events, tokenizer_and_vocab
 
 __all__ = ["tokenizer_and_vocab"]  # a fixture, used by name
 CACHED = 5

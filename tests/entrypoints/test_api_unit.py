@@ -130,8 +130,9 @@ class _Script:
 
 
 class ScriptedClient:
-    """AsyncLLM's interface (as the server uses it) with no engine: each request yields one token per output
-    (" w<i>"), then finishes with "length"; a stream closed early, or abort(), aborts it."""
+    """AsyncLLM's interface (as the server uses it) with no engine: each request yields one token
+    per output (" w<i>"), then finishes with "length"; a stream closed early, or abort(), aborts
+    it."""
 
     def __init__(self, tokenizer, vocab_size, **engine_args):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size

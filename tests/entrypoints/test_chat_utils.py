@@ -35,7 +35,8 @@ def tokenizer():
 
 
 HISTORY = [
-    {"role": "system", "content": [{"type": "text", "text": "be"}, {"type": "text", "text": "brief"}]},
+    {"role": "system",
+     "content": [{"type": "text", "text": "be"}, {"type": "text", "text": "brief"}]},
     {"role": "user", "content": "add", "name": "ann"},
     {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 3}'}}]},

@@ -64,7 +64,8 @@ def _metric(http, name: str, **labels) -> float:
     labels = {"model_name": MODEL, "engine": "0", **labels}
     want = sorted(f'{k}="{v}"' for k, v in labels.items())
     for line in http.get("/metrics").text.splitlines():
-        if line.startswith(name + "{") and sorted(line[len(name) + 1:line.index("}")].split(",")) == want:
+        if (line.startswith(name + "{")
+                and sorted(line[len(name) + 1:line.index("}")].split(",")) == want):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 

@@ -1,7 +1,8 @@
 """One side of the two-process NIXL read test (tests/kv_transfer/test_nixl_read.py), run as a
 script: `producer PORT ENGINE_ID` holds a request's blocks until the consumer has read them;
-`consumer PORT ENGINE_ID` (the producer's) reads them and checks them byte for byte. Both fill their KV caches
-from seeds only they know how to reproduce, so the consumer can compute what it must receive."""
+`consumer PORT ENGINE_ID` (the producer's) reads them and checks them byte for byte. Both fill their
+KV caches from seeds only they know how to reproduce, so the consumer can compute what it must
+receive."""
 
 import sys
 import time
@@ -47,7 +48,8 @@ def main(role: str, port: int, engine_id: str) -> None:
     caches = kv_caches(1 if role == "producer" else 2)
     worker.register_kv_caches(caches)
     if role == "producer":
-        worker.start_load_kv(NixlConnectorMetadata(reqs_to_send={"req-p": time.perf_counter() + 30}))
+        worker.start_load_kv(NixlConnectorMetadata(
+            reqs_to_send={"req-p": time.perf_counter() + 30}))
         print("ready", flush=True)
         wait_for(worker, "req-p", sending=True)
     else:

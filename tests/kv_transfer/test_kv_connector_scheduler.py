@@ -15,9 +15,9 @@ from minicore.engine.core import EngineCore
 from minicore.kv_transfer.base import KVConnectorRole
 from minicore.kv_transfer.config import KVTransferConfig
 from minicore.kv_transfer.nixl import NixlConnector
-from minicore.outputs import KVConnectorOutput
 from minicore.request import FinishReason, RequestStatus
 from minicore.scheduler import Scheduler
+from minicore.scheduler.output import KVConnectorOutput
 from minicore.testing import fake_model_output, make_request, num_free, step
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 32

@@ -8,9 +8,13 @@ import torch
 from minicore.model.logprobs import LogprobsOutput
 from minicore.model.runner_base import CachedRequestState
 from minicore.model.sampler import gather_logprobs
-from minicore.outputs import ModelRunnerOutput
 from minicore.sampling_params import SamplingParams
-from minicore.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from minicore.scheduler.output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 
 V = 10
 

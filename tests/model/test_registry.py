@@ -11,13 +11,14 @@ from typing import get_args
 import pytest
 
 import minicore.__main__ as cli
-from minicore.config import ModelRunnerKind, create_engine_config
+from minicore.config import create_engine_config
 from minicore.engine.core import EngineCore
+from minicore.model.config import ModelRunnerKind
 from minicore.model.registry import MODEL_RUNNERS, RunnerInfo, runner_info
 from minicore.model.runner_base import ModelRunnerBase
-from minicore.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 from minicore.request import Request
 from minicore.sampling_params import SamplingParams
+from minicore.scheduler.output import EMPTY_MODEL_RUNNER_OUTPUT
 
 PACKAGE = Path(__file__).resolve().parents[2] / "minicore"
 

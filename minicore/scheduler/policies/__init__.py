@@ -10,15 +10,9 @@ request priorities mean anything.
 import importlib
 import pkgutil
 
-from minicore.scheduler.policies.base import (
-    FCFSRequestQueue,
-    PriorityRequestQueue,
-    RequestQueue,
-    SchedulingPolicy,
-)
+from minicore.scheduler.policies.base import RequestQueue, SchedulingPolicy
 
-__all__ = ["FCFSRequestQueue", "PriorityRequestQueue", "RequestQueue", "SchedulingPolicy",
-           "get_policy", "policy_names"]
+__all__ = ["RequestQueue", "SchedulingPolicy", "get_policy", "policy_names"]
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")

@@ -1,7 +1,7 @@
-"""SchedulingPolicy, the base of every scheduling policy, and the waiting queues they build on.
+"""SchedulingPolicy, the base of every scheduling policy, and RequestQueue, the waiting queue's.
 
-Mirrors vllm/v1/core/sched/request_queue.py (RequestQueue, FCFSRequestQueue, PriorityRequestQueue)
-together with the victim choice of vllm/v1/core/sched/scheduler.py, which vLLM writes as an
+Mirrors vllm/v1/core/sched/request_queue.py (RequestQueue; the queues are in fcfs.py and
+priority.py) with the victim choice of vllm/v1/core/sched/scheduler.py, which vLLM writes as
 `if self.policy == SchedulingPolicy.PRIORITY` in its preemption loop. vLLM's SchedulingPolicy is
 an enum of names; here it is the class a policy subclasses, holding the waiting queue's order, the
 preemption victim and whether request priorities mean anything, so that a policy is one file of
@@ -9,11 +9,9 @@ minicore/scheduler/policies/ and the scheduler never tests a policy's name. A su
 `name` registers itself under it. Left out: prepend_requests and remove_requests (one at a time).
 """
 
-import heapq
 from abc import ABC, abstractmethod
-from collections import deque
-from collections.abc import Callable, Iterator
-from typing import Any, ClassVar
+from collections.abc import Iterator
+from typing import ClassVar
 
 from minicore.request import Request
 
@@ -43,60 +41,6 @@ class RequestQueue(ABC):
 
     @abstractmethod
     def __iter__(self) -> Iterator[Request]: ...
-
-
-class FCFSRequestQueue(deque, RequestQueue):
-    """Arrival order; a deque, so that the scheduler's per-step tests stay at C speed."""
-
-    def add_request(self, request: Request) -> None:
-        self.append(request)
-
-    def prepend_request(self, request: Request) -> None:
-        self.appendleft(request)
-
-    def peek_request(self) -> Request:
-        return self[0]
-
-    def pop_request(self) -> Request:
-        return self.popleft()
-
-    def remove_request(self, request: Request) -> None:
-        self.remove(request)
-
-
-class PriorityRequestQueue(RequestQueue):
-    """A heap of requests, smallest key(request) first. The key is taken when a request joins, and
-    must end with something unique to the request (its id), so that no two keys tie. vLLM's orders
-    by Request.__lt__, (priority, arrival_time); here the priority policy passes that key."""
-
-    def __init__(self, key: Callable[[Request], tuple[Any, ...]]):
-        self._key = key
-        self._heap: list[tuple[tuple[Any, ...], Request]] = []
-
-    def add_request(self, request: Request) -> None:
-        heapq.heappush(self._heap, (self._key(request), request))
-
-    # The order decides where a request taken back goes.
-    prepend_request = add_request
-
-    def peek_request(self) -> Request:
-        return self._heap[0][1]
-
-    def pop_request(self) -> Request:
-        return heapq.heappop(self._heap)[1]
-
-    def remove_request(self, request: Request) -> None:
-        self._heap = [entry for entry in self._heap if entry[1] is not request]
-        heapq.heapify(self._heap)
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __bool__(self) -> bool:
-        return bool(self._heap)
-
-    def __iter__(self) -> Iterator[Request]:
-        return (request for _, request in sorted(self._heap))
 
 
 class SchedulingPolicy(ABC):

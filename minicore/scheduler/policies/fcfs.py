@@ -1,11 +1,33 @@
 """fcfs: first come, first served; the victim is the last running request.
 
-Mirrors SchedulingPolicy.FCFS of vllm/v1/core/sched/request_queue.py and the FCFS branch of the
-preemption loop in vllm/v1/core/sched/scheduler.py (self.running.pop()). The default policy.
+Mirrors SchedulingPolicy.FCFS and FCFSRequestQueue of vllm/v1/core/sched/request_queue.py and
+the FCFS branch of the preemption loop in vllm/v1/core/sched/scheduler.py (self.running.pop()).
+The default policy.
 """
 
+from collections import deque
+
 from minicore.request import Request
-from minicore.scheduler.policies.base import FCFSRequestQueue, SchedulingPolicy
+from minicore.scheduler.policies.base import RequestQueue, SchedulingPolicy
+
+
+class FCFSRequestQueue(deque, RequestQueue):
+    """Arrival order; a deque, so that the scheduler's per-step tests stay at C speed."""
+
+    def add_request(self, request: Request) -> None:
+        self.append(request)
+
+    def prepend_request(self, request: Request) -> None:
+        self.appendleft(request)
+
+    def peek_request(self) -> Request:
+        return self[0]
+
+    def pop_request(self) -> Request:
+        return self.popleft()
+
+    def remove_request(self, request: Request) -> None:
+        self.remove(request)
 
 
 class FCFSPolicy(SchedulingPolicy):

@@ -10,7 +10,8 @@ prefix cache is not consulted (a long prompt that would mostly hit it still coun
 """
 
 from minicore.request import Request
-from minicore.scheduler.policies.base import PriorityRequestQueue, SchedulingPolicy
+from minicore.scheduler.policies.base import SchedulingPolicy
+from minicore.scheduler.policies.priority import PriorityRequestQueue
 
 
 def remaining_tokens_key(request: Request) -> tuple[int, float, str]:
