@@ -75,6 +75,8 @@ def test_without_a_connector_the_scheduler_binds_no_remote_kv():
     steps = run_until_finished(s)
     assert [st.out.kv_connector_metadata for st in steps] == [None, None]
     assert [o.kv_transfer_params for st in steps for o in st.outputs] == [None, None]
+    # One more step tells the runner that a finished.
+    assert s.has_requests() and step(s).out.finished_req_ids == {"a"}
     assert not s.has_requests() and s.make_stats().num_deferred_waiting_reqs == 0
 
 

@@ -267,8 +267,8 @@ class EngineCoreProc(EngineCore):
             return False
         scheduler_output = self.scheduler.schedule()
         model_output = await self._run_forward(self.execute_model, scheduler_output)
-        # Inputs that arrived during the forward first: an abort then drops the request's output.
-        self._drain_input_queue()
+        # Inputs that arrived during the forward wait for the next iteration, as in vLLM: an
+        # ABORT X then ADD X applied here would hand the old X's token to the new X.
         self._send(self.scheduler.update_from_output(scheduler_output, model_output))
         return scheduler_output.total_num_scheduled_tokens > 0
 

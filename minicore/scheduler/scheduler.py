@@ -132,9 +132,11 @@ class Scheduler:
 
     def has_requests(self) -> bool:
         """Whether the engine must keep stepping: unfinished requests, finished ones whose blocks
-        a KV connector holds, or connector state not yet sent to its worker side (vLLM:
-        Scheduler.has_requests)."""
-        return bool(self.requests) or self.remote_kv.has_pending_requests()
+        a KV connector holds, finished ones the runner has not been told of (one more step
+        carries them, so that it drops their state), or connector state not yet sent to its
+        worker side (vLLM: Scheduler.has_requests)."""
+        return (bool(self.requests) or bool(self.finished_req_ids)
+                or self.remote_kv.has_pending_requests())
 
     def has_unfinished_requests(self) -> bool:
         return (bool(self.running) or bool(self.waiting)

@@ -1,6 +1,7 @@
 """EngineCoreProc in its own process, driven by a fake frontend over real sockets: the startup
 handshake and its timeout, clean exit on SIGTERM/SIGINT, malformed frames dropped without harm,
-aborts that arrive during a step, utilities, and ENGINE_CORE_DEAD on a fatal error.
+aborts and reused request ids that arrive during a step, utilities, and ENGINE_CORE_DEAD on a
+fatal error.
 
 Every test bounds each wait (socket polls and joins have timeouts) and kills its engine on exit."""
 
@@ -13,7 +14,13 @@ import pytest
 from engine_helpers import FakeFrontend, simulated_config
 
 from minicore.engine.launch import run_engine_core
-from minicore.model.simulated import NOMINAL_KV_BYTES_PER_TOKEN, SimulatedModelRunner
+from minicore.model.simulated import (
+    DEFAULT_EOS_TOKEN_IDS,
+    DEFAULT_VOCAB_SIZE,
+    NOMINAL_KV_BYTES_PER_TOKEN,
+    SimulatedModelRunner,
+    next_token,
+)
 from minicore.protocol import EngineCoreRequest, EngineCoreRequestType, engine_dead_frame
 from minicore.request import FinishReason
 from minicore.sampling_params import SamplingParams
@@ -134,7 +141,7 @@ def test_requests_the_engine_cannot_run_are_refused_alone():
         assert proc.is_alive()
 
 
-def test_abort_during_a_step_drops_that_steps_output():
+def test_an_abort_during_a_step_takes_effect_after_it():
     with FakeFrontend() as frontend:
         frontend.start(run_engine_core, simulated_config(step_s=0.3))
         frontend.complete_handshake()
@@ -142,13 +149,36 @@ def test_abort_during_a_step_drops_that_steps_output():
         while not (frame := frontend.next_output()).outputs:
             pass
         assert [o.request_id for o in frame.outputs] == ["r"]
-        # The engine started the next step as it sent that output; the abort lands inside it.
+        # The engine started the next step as it sent that output; the abort lands inside it and
+        # waits for the step's end, as in vLLM (the frontend drops the step's output).
         frontend.send(ABORT, ["r"])
         frame = frontend.next_output()
-        assert frame.outputs == []
-        assert frame.scheduler_stats.num_running_reqs == 0
+        assert [(o.request_id, o.finish_reason) for o in frame.outputs] == [("r", None)]
+        while (frame := frontend.next_output()).scheduler_stats.num_running_reqs:
+            assert frame.outputs == []
         assert frame.scheduler_stats.kv_cache_usage == 0
         assert utility(frontend, 1, "get_stats").result["request_ids"] == []
+
+
+def test_a_request_id_reused_during_a_step_never_gets_the_old_requests_token():
+    """ABORT X then ADD X while a step of the old X runs: the new X's tokens are its own."""
+    new_prompt = [7, 8, 9]
+    expected, tokens = [], list(new_prompt)
+    for _ in range(3):
+        tokens.append(next_token(tokens, DEFAULT_VOCAB_SIZE, frozenset(DEFAULT_EOS_TOKEN_IDS)))
+        expected.append(tokens[-1])
+    with FakeFrontend() as frontend:
+        frontend.start(run_engine_core, simulated_config(step_s=0.3))
+        frontend.complete_handshake()
+        add(frontend, "x", max_tokens=100)
+        while not (frame := frontend.next_output()).outputs:
+            pass
+        frontend.send(ABORT, ["x"])
+        add(frontend, "x", max_tokens=3, prompt=new_prompt)
+        # The step in flight still reports the old x's token; everything after is the new x's.
+        frame = frontend.next_output()
+        assert [(o.request_id, o.finish_reason) for o in frame.outputs] == [("x", None)]
+        assert collect(frontend, {"x"}) == {"x": (expected, FinishReason.LENGTH)}
 
 
 def test_concurrent_requests_and_utilities():

@@ -124,3 +124,18 @@ def test_kv_cache_too_small_for_max_model_len_is_a_clear_error():
     with pytest.raises(ValueError, match=r"room for 8 blocks.*max_model_len \(256\).*needs 17"):
         make_engine(max_model_len=256, block_size=16, num_blocks=8)
     assert make_engine(max_model_len=256, block_size=16, num_blocks=17).scheduler is not None
+
+
+@pytest.mark.parametrize("ends_by", ["finishing", "abort"])
+def test_the_runner_forgets_the_last_request_once_the_engine_goes_idle(ends_by):
+    """vLLM's has_requests counts finished requests the runner has not been told of: the engine
+    steps once more, carrying their ids, so no state (nor decode KV row) outlives them."""
+    engine = make_engine(max_model_len=64)
+    engine.add_request(Request("r", [1, 2, 3], SamplingParams(max_tokens=2), eos_token_id=2))
+    engine.step()
+    if ends_by == "abort":
+        engine.abort_requests(["r"])
+    while engine.scheduler.has_requests():
+        engine.step()
+    assert engine.scheduler.requests == {}
+    assert engine.model_runner.requests == {}
