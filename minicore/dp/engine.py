@@ -131,8 +131,9 @@ class DPEngineCoreProc(EngineCoreProc):
             if self.shutdown_requested:
                 return
             executed = await self._process_engine_step()
-            # Blocks held for a KV connector's peer keep the wave going, as requests do.
-            local_unfinished_reqs = self.scheduler.has_requests()
+            # Requests to compute keep the wave going (vLLM's rule); blocks a KV connector holds
+            # for a peer do not: the rank polls them alone between waves (_wait_for_input).
+            local_unfinished_reqs = self.scheduler.has_unfinished_requests()
             if not executed:
                 # A step that ran sent its stats; one skipped may leave inputs' changes unsent.
                 self._publish_stats_if_changed()
@@ -153,12 +154,13 @@ class DPEngineCoreProc(EngineCoreProc):
         self.step_counter = 0
 
     async def _process_input_queue(self) -> None:
-        """Wait while every rank is idle; then take all pending inputs."""
-        while not self.engines_running and not self.scheduler.has_requests():
+        """Wait while every rank is idle (this one stepping alone, now and then, while it only
+        holds a KV connector's work); then take all pending inputs."""
+        while not self.engines_running and not self.scheduler.has_unfinished_requests():
             if self.shutdown_requested:
                 return
-            self._publish_stats_if_changed()
-            self._handle_client_request(*await self.input_queue.get())
+            if not await self._wait_for_input():
+                break
         self._drain_input_queue()
 
     async def _run_forward_in_lockstep(self, fn, *args):

@@ -219,7 +219,8 @@ class DPSimulator:
         """The rank's step time, and whether it computed prompt tokens. With nothing scheduled it
         runs a dummy step, the time of one decode."""
         executed = so.total_num_scheduled_tokens > 0
-        if runs_dummy_batch(executed, scheduler.has_requests(), self.engines_running):
+        if runs_dummy_batch(executed, scheduler.has_unfinished_requests(),
+                            self.engines_running):
             return self.config.cost.step_seconds(1, 0, 0), False
         num_decodes = num_prefill = num_context = 0
         for req_id, n in so.num_scheduled_tokens.items():

@@ -244,18 +244,25 @@ class EngineCoreProc(EngineCore):
         while must_wait or not self.scheduler.has_requests():
             if self.shutdown_requested:
                 return
-            # Inputs handled while idle (an abort, say) change the stats no step will send.
-            self._publish_stats_if_changed()
-            if self.scheduler.has_requests():
-                try:
-                    item = await asyncio.wait_for(self.input_queue.get(), KV_POLL_INTERVAL_S)
-                except asyncio.TimeoutError:  # noqa: UP041 (a distinct class before 3.11)
-                    break
-            else:
-                item = await self.input_queue.get()
-            self._handle_client_request(*item)
+            if not await self._wait_for_input():
+                break
             must_wait = False
         self._drain_input_queue()
+
+    async def _wait_for_input(self) -> bool:
+        """Handle the next input, waiting for it; while the scheduler has requests but nothing
+        to compute (a KV connector's transfers), at most KV_POLL_INTERVAL_S. False if none came."""
+        # Inputs handled while idle (an abort, say) change the stats no step will send.
+        self._publish_stats_if_changed()
+        if self.scheduler.has_requests():
+            try:
+                item = await asyncio.wait_for(self.input_queue.get(), KV_POLL_INTERVAL_S)
+            except asyncio.TimeoutError:  # noqa: UP041 (a distinct class before 3.11)
+                return False
+        else:
+            item = await self.input_queue.get()
+        self._handle_client_request(*item)
+        return True
 
     def _drain_input_queue(self) -> None:
         while not self.input_queue.empty():
