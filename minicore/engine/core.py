@@ -85,6 +85,7 @@ class EngineCore:
         validate_sampling_params(request.sampling_params, self.model_runner.vocab_size,
                                  self.config.model_config.max_logprobs,
                                  self.runner_info.has_logits)
+        self.scheduler.remote_kv.validate_request(request)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:

@@ -10,9 +10,12 @@ output token, as in vLLM), a priority needs a policy using them and a DP rank mu
 be valid Unicode and integers must fit in 64 bits (SamplingParams checks its own fields). bad_words
 become bad_words_token_ids; logit_bias, allowed_token_ids, stop ids and bad words must be in the
 vocabulary, and logprobs within --max-logprobs; the generation config's extra EOS ids join
-stop_token_ids. Everything is checked before anything is sent, so
-a refused request leaves nothing behind. The engine checks the prompt's token ids and the sampling
-token ids again (validate_prompt_token_ids, validate_sampling_params: it trusts no frontend).
+stop_token_ids; kv_transfer_params must be what the configured KV connector can act on (its
+classmethod validate_kv_transfer_params; without a connector they are ignored, as in vLLM).
+Everything is checked before anything is sent, so a refused request leaves nothing behind. The
+engine checks the prompt's token ids, the sampling token ids and the kv_transfer_params again
+(validate_prompt_token_ids, validate_sampling_params, ConnectorRemoteKV.validate_request: it
+trusts no frontend).
 Left out: multimodal inputs, LoRA, structured output, tokenization caches, logprob_token_ids.
 """
 
@@ -20,6 +23,8 @@ import dataclasses
 import time
 
 from minicore.config import EngineConfig
+from minicore.kv_transfer.base import KVConnectorBase_V1
+from minicore.kv_transfer.factory import KVConnectorFactory
 from minicore.model.registry import runner_info
 from minicore.protocol import EngineCoreRequest
 from minicore.sampling_checks import INT64_MAX, INT64_MIN, check_text
@@ -50,6 +55,12 @@ class InputProcessor:
         eos_ids = config.model_config.try_get_generation_config().get("eos_token_id")
         eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or ())
         self.extra_eos_token_ids = [t for t in eos_ids if t != tokenizer.eos_token_id]
+        # Whose check kv_transfer_params pass: the configured connector's (its class only: the
+        # connector itself lives in the engine); the base class's, which passes all, without one.
+        kv_config = config.kv_transfer_config
+        self.kv_connector_class = (KVConnectorBase_V1 if kv_config is None
+                                   else KVConnectorFactory.get_connector_class(kv_config))
+        self.block_size = config.cache_config.block_size
 
     def process_inputs(self, request_id: str, prompt: Prompt, params: SamplingParams, *,
                        arrival_time: float | None = None, priority: int = 0,
@@ -78,6 +89,7 @@ class InputProcessor:
             validate_prompt_token_ids(token_ids, self.vocab_size, self.max_model_len)
         except ValueError as e:
             raise InvalidRequestError(str(e), "prompt") from None
+        self._check_kv_transfer_params(params, len(token_ids))
         if params.bad_words:
             params = dataclasses.replace(params, bad_words_token_ids=self._bad_words_token_ids(
                 params.bad_words))
@@ -102,6 +114,15 @@ class InputProcessor:
             raise InvalidRequestError(f"a prompt is a string or a list of token ids, got "
                                       f"{type(prompt).__name__}", "prompt")
         return list(prompt)
+
+    def _check_kv_transfer_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
+        if params.kv_transfer_params is None:
+            return
+        try:
+            self.kv_connector_class.validate_kv_transfer_params(
+                params.kv_transfer_params, num_prompt_tokens, self.block_size)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "kv_transfer_params") from None
 
     def _truncate(self, token_ids: list[int], keep: int | None) -> list[int]:
         """The last `keep` tokens (-1: max_model_len), as vLLM's truncate_prompt_tokens."""

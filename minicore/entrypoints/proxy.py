@@ -4,10 +4,12 @@ Mirrors vLLM's toy proxy for disaggregated prefill (tests/v1/kv_connector/nixl_i
 toy_proxy_server.py; examples/online_serving/disaggregated_serving/ has its relatives). For
 /v1/completions and /v1/chat/completions, streamed or not: the request goes to a prefill instance
 with max_tokens=1 (and max_completion_tokens=1 if given), stream=False, no min_tokens or
-stream_options, and kv_transfer_params={"do_remote_decode": true, ...}; the kv_transfer_params of
+stream_options, and kv_transfer_params={"do_remote_decode": true}; the kv_transfer_params of
 its answer (where the KV blocks are and how to read them) go with the client's original request to
 a decode instance, whose answer (a whole body or the SSE stream, as it comes) is the client's.
-Prefill and decode instances are each taken round-robin.
+Prefill and decode instances are each taken round-robin. A client's own kv_transfer_params reach
+neither instance: they would tell the decode instance to read blocks from wherever the client
+says (the toy forwards them when the prefill instance returns none).
 
 Beyond the toy: an instance's HTTP error reaches the client with its status and body (wrapped in
 an OpenAI error body if it was not JSON); an instance that cannot be reached is a 503, one whose
@@ -42,16 +44,9 @@ from minicore.logger import configure_logging, uvicorn_log_config
 
 logger = logging.getLogger(__name__)
 
-# What the proxy asks a prefill instance for, as vLLM's toy proxy words it: run the prompt, keep
-# its KV blocks for a remote decode, and say where they are.
-PREFILL_KV_TRANSFER_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+# What the proxy asks a prefill instance for: run the prompt, keep its KV blocks for a remote
+# decode, and say where they are (vLLM's toy adds the remote_* keys as null, which say nothing).
+PREFILL_KV_TRANSFER_PARAMS = {"do_remote_decode": True}
 # A generation has no time limit (as in the toy, which waits forever); a host that never answers
 # a connect should not hold the request that long.
 CONNECT_TIMEOUT_S = 10.0
@@ -68,7 +63,8 @@ class UpstreamError(Exception):
 
 
 def prefill_body(body: dict) -> dict:
-    """The client's request as a prefill instance gets it: one token, whole, KV kept."""
+    """The client's request as a prefill instance gets it: one token, whole, KV kept (the
+    client's own kv_transfer_params replaced by ours)."""
     prefill = dict(body, kv_transfer_params=dict(PREFILL_KV_TRANSFER_PARAMS), stream=False,
                    max_tokens=1)
     if "max_completion_tokens" in prefill:
@@ -160,7 +156,10 @@ class Proxy:
         """The client's answer: prefill, then the decode instance's response (whole, or an
         SSE stream for stream=true)."""
         params = await self._prefill_params(endpoint, body, headers)
-        decode = dict(body) if params is None else dict(body, kv_transfer_params=params)
+        # Only what the prefill instance returned, never the client's own.
+        decode = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+        if params is not None:
+            decode["kv_transfer_params"] = params
         url = next(self._decode) + endpoint
         logger.debug("%s: decode on %s with %s", endpoint, url, params)
         response = await self._send("decode", "POST", url, headers, decode)

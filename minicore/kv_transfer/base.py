@@ -8,6 +8,10 @@ the KVConnectorMetadata the scheduler side builds each step (SchedulerOutput.kv_
 and the KVConnectorOutput the worker side returns (ModelRunnerOutput.kv_connector_output).
 
 Scheduler side, per request:
+  validate_kv_transfer_params a classmethod: ValueError, naming the key, for kv_transfer_params
+                              the connector cannot act on (the InputProcessor and
+                              EngineCore.add_request refuse the request, so the scheduler side
+                              reads checked values)
   get_num_new_matched_tokens  how many prompt tokens beyond the local prefix hit come from
                               outside, and whether they arrive asynchronously (the request then
                               waits in WAITING_FOR_REMOTE_KVS with its blocks allocated)
@@ -15,6 +19,8 @@ Scheduler side, per request:
   build_connector_meta        once per step: what the worker side must start
   request_finished            on finish: keep the blocks (delay_free) while a peer reads them, and
                               the kv_transfer_params to return to the client
+  update_connector_output     once per step: what the worker side reported
+  has_load_in_flight          whether a load may still be writing into a parked request's blocks
 Worker side, per step:
   register_kv_caches          once, the paged KV cache tensors
   start_load_kv               before the forward: start this step's reads
@@ -33,7 +39,7 @@ if TYPE_CHECKING:
     from minicore.config import EngineConfig
     from minicore.request import Request
     from minicore.scheduler.kv_cache_manager import KVCacheBlocks
-    from minicore.scheduler.output import SchedulerOutput
+    from minicore.scheduler.output import KVConnectorOutput, SchedulerOutput
 
 
 class KVConnectorRole(enum.Enum):
@@ -100,6 +106,14 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 (vLLM's name)
 
     # ---- scheduler side ------------------------------------------------------------------------
 
+    @classmethod
+    def validate_kv_transfer_params(cls, params: dict[str, Any], num_prompt_tokens: int,
+                                    block_size: int) -> None:
+        """ValueError, its message naming the key at fault, unless this connector can act on a
+        request's kv_transfer_params (num_prompt_tokens: the prompt's length; block_size: the
+        KV cache's). A classmethod: the frontend checks with no connector built."""
+        return None
+
     @abstractmethod
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int, bool]:
@@ -126,3 +140,16 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 (vLLM's name)
         """Whether the scheduler side holds state the worker side has not been sent yet (a
         notification to a peer, say): the engine keeps stepping while it does."""
         return False
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        """What the worker side reported for the step (finished sends and receives, failed
+        loads), after the scheduler's update."""
+        return None
+
+    def has_load_in_flight(self, request_id: str) -> bool:
+        """Whether a load into this parked request's blocks may still be under way: handed to
+        the worker side and not yet reported in finished_recving. The scheduler frees an aborted
+        parked request's blocks at once when none is, and computes the prompt of one left parked
+        with none itself (ConnectorRemoteKV.LOAD_START_TIMEOUT_S). True unless a connector knows
+        better: its loads then end only when the worker side reports them."""
+        return True

@@ -13,6 +13,8 @@ do_remote_prefill, remote_engine_id, remote_block_ids, remote_host, remote_port 
 remote_request_id. The decode instance, given those, reports the prompt (beyond its own prefix hit)
 as external tokens loaded asynchronously; its worker reads them from the prefill instance's blocks
 and the prefill instance frees them when NIXL notifies it of the read (or at the deadline).
+A request's kv_transfer_params are checked before the scheduler sees them (the classmethod
+validate_kv_transfer_params, run by the InputProcessor and EngineCore.add_request).
 Left out: host buffers (kv_buffer_device), hybrid/sliding-window and Mamba models, tensor
 parallelism (tp_size is always 1), the HTTP handshake, connector stats.
 """
@@ -25,15 +27,17 @@ from minicore.config import EngineConfig
 from minicore.kv_transfer.base import KVConnectorBase_V1, KVConnectorRole
 from minicore.kv_transfer.nixl_metadata import (
     DEFAULT_ABORT_REQUEST_TIMEOUT_S,
+    REMOTE_PREFILL_KEYS,
     NixlConnectorMetadata,
     engine_id,
     side_channel,
+    validate_nixl_params,
 )
 from minicore.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from minicore.scheduler.kv_cache_manager import KVCacheBlocks
-    from minicore.scheduler.output import SchedulerOutput
+    from minicore.scheduler.output import KVConnectorOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +54,11 @@ class NixlConnector(KVConnectorBase_V1):
             self.connector_worker = NixlConnectorWorker(config)
 
     # ---- scheduler side ------------------------------------------------------------------------
+
+    @classmethod
+    def validate_kv_transfer_params(cls, params: dict[str, Any], num_prompt_tokens: int,
+                                    block_size: int) -> None:
+        validate_nixl_params(params, num_prompt_tokens, block_size)
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int, bool]:
@@ -68,6 +77,12 @@ class NixlConnector(KVConnectorBase_V1):
 
     def has_pending_requests(self) -> bool:
         return self.connector_scheduler.has_pending_requests()
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        self.connector_scheduler.update_connector_output(connector_output)
+
+    def has_load_in_flight(self, request_id: str) -> bool:
+        return self.connector_scheduler.has_load_in_flight(request_id)
 
     # ---- worker side ---------------------------------------------------------------------------
 
@@ -89,9 +104,6 @@ class NixlConnector(KVConnectorBase_V1):
             self.connector_worker.shutdown()
 
 
-_REMOTE_PARAMS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
-
-
 class NixlConnectorScheduler:
     """The scheduler side: which requests read remote KV, which hold blocks for a peer."""
 
@@ -107,6 +119,8 @@ class NixlConnectorScheduler:
         # Requests whose blocks are held for a peer, with their deadlines, not yet sent to the
         # worker side.
         self._reqs_need_send: dict[str, float] = {}
+        # Reads into local blocks queued for the worker side and not yet reported finished.
+        self._reads_in_flight: set[str] = set()
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int, bool]:
@@ -124,14 +138,18 @@ class NixlConnectorScheduler:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
-        if params.get("remote_block_ids"):
-            if all(p in params for p in _REMOTE_PARAMS):
-                # The blocks not hit in the local prefix cache are the ones to read into.
-                local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
-                self._reqs_need_recv[request.request_id] = (request, local)
-            else:
-                logger.warning("Got invalid kv_transfer_params %s: request %s will not use KV "
-                               "transfer", params, request.request_id)
+        # EngineCore.add_request refuses incomplete params (validate_nixl_params); this guards a
+        # caller that went straight to Scheduler.add_request: no read, so the request is not
+        # held for one (ConnectorRemoteKV computes its prompt after LOAD_START_TIMEOUT_S).
+        if all(params.get(key) for key in REMOTE_PREFILL_KEYS):
+            # The blocks not hit in the local prefix cache are the ones to read into.
+            local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
+            self._reqs_need_recv[request.request_id] = (request, local)
+            if local:
+                self._reads_in_flight.add(request.request_id)
+        else:
+            logger.warning("Got invalid kv_transfer_params %s: request %s will not use KV "
+                           "transfer", params, request.request_id)
         # One transfer per request: a preempted request recomputes.
         params["do_remote_prefill"] = False
 
@@ -170,3 +188,10 @@ class NixlConnectorScheduler:
 
     def has_pending_requests(self) -> bool:
         return bool(self._reqs_need_recv) or bool(self._reqs_need_send)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        # A read reported finished (done or failed) writes no more.
+        self._reads_in_flight.difference_update(connector_output.finished_recving or ())
+
+    def has_load_in_flight(self, request_id: str) -> bool:
+        return request_id in self._reads_in_flight

@@ -1,16 +1,21 @@
 """What NixlConnector's scheduler side and worker side share: the per-step metadata, this
-engine's id and side channel address, the defaults.
+engine's id and side channel address, the defaults, and the check of a request's
+kv_transfer_params (validate_nixl_params: the frontend and the engine run it before the scheduler
+sees the request, so the scheduler and worker sides read checked values).
 
 Mirrors vllm/distributed/kv_transfer/kv_connector/v1/nixl/metadata.py (ReqMeta,
 NixlConnectorMetadata) and the side-channel settings of vllm/envs.py, reduced to one read per
-request and no tensor-parallel or hybrid-model fields. Pure Python.
+request and no tensor-parallel or hybrid-model fields; vLLM checks no kv_transfer_params (a bad
+one fails inside its scheduler). Pure Python.
 """
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from minicore.config import EngineConfig
 from minicore.kv_transfer.base import KVConnectorMetadata
+from minicore.sampling_checks import check_text
 
 # vLLM's defaults: VLLM_NIXL_SIDE_CHANNEL_HOST/PORT and VLLM_NIXL_ABORT_REQUEST_TIMEOUT (480 s).
 DEFAULT_SIDE_CHANNEL_HOST = "localhost"
@@ -38,10 +43,77 @@ class NixlConnectorMetadata(KVConnectorMetadata):
 
     def add_new_req(self, request_id: str, local_block_ids: list[int],
                     params: dict[str, Any]) -> None:
+        """params: a request's kv_transfer_params, as validate_nixl_params passed them."""
         self.reqs_to_recv[request_id] = ReqMeta(
-            local_block_ids, list(params.get("remote_block_ids") or ()),
-            params["remote_engine_id"], params["remote_host"], int(params["remote_port"]),
-            params["remote_request_id"])
+            local_block_ids, params["remote_block_ids"], params["remote_engine_id"],
+            params["remote_host"], params["remote_port"], params["remote_request_id"])
+
+
+# What a decode request (do_remote_prefill) must carry: where the prefill instance holds the
+# prompt's blocks and how to reach it (NixlConnectorScheduler.request_finished returns them).
+REMOTE_PREFILL_KEYS = ("remote_block_ids", "remote_engine_id", "remote_host", "remote_port",
+                       "remote_request_id")
+# A host name or an IP address (IPv6 with its brackets or zone): it becomes tcp://host:port.
+_HOST = re.compile(r"[A-Za-z0-9._:%\[\]-]{1,253}")
+# Ids travel in the handshake and as NIXL's notification: no need for more.
+MAX_ID_CHARS = 1024
+# Block ids index NIXL descriptor lists as int64 (region * num_blocks + id): far below overflow.
+MAX_BLOCK_ID = 2**31 - 1
+
+
+def validate_nixl_params(params: dict[str, Any], num_prompt_tokens: int, block_size: int) -> None:
+    """ValueError naming the key unless NixlConnector can act on these kv_transfer_params: the
+    flags are booleans (or null); with do_remote_prefill every key of REMOTE_PREFILL_KEYS is there
+    and remote_block_ids is not empty; a key that is given has its type and range (a port in
+    [1, 65535], at most ceil(prompt / block_size) block ids, each in [0, 2**31)). Null stands for
+    absent (vLLM's proxies send the remote_* keys as null to a prefill instance); other keys are
+    ignored, as NixlConnector ignores them."""
+    for key in ("do_remote_prefill", "do_remote_decode"):
+        if params.get(key) is not None and not isinstance(params[key], bool):
+            raise ValueError(f"kv_transfer_params.{key} must be a boolean, got {params[key]!r}")
+    if params.get("do_remote_prefill"):
+        for key in REMOTE_PREFILL_KEYS:
+            if params.get(key) is None:
+                raise ValueError(f"kv_transfer_params.{key} is required with do_remote_prefill "
+                                 f"(needed: {', '.join(REMOTE_PREFILL_KEYS)})")
+        if not params["remote_block_ids"]:
+            raise ValueError("kv_transfer_params.remote_block_ids must not be empty with "
+                             "do_remote_prefill")
+    if (block_ids := params.get("remote_block_ids")) is not None:
+        _check_block_ids(block_ids, -(-num_prompt_tokens // block_size))
+    if (port := params.get("remote_port")) is not None and (
+            type(port) is not int or not 1 <= port <= 65535):
+        raise ValueError(f"kv_transfer_params.remote_port must be an integer in [1, 65535], "
+                         f"got {port!r}")
+    for key in ("remote_engine_id", "remote_request_id", "remote_host"):
+        if (value := params.get(key)) is not None:
+            _check_id(key, value)
+    if (host := params.get("remote_host")) is not None and not _HOST.fullmatch(host):
+        raise ValueError(f"kv_transfer_params.remote_host must be a host name or an IP address, "
+                         f"got {repr(host)[:64]}")
+    if (tp_size := params.get("tp_size")) is not None and (type(tp_size) is not int
+                                                           or tp_size != 1):
+        raise ValueError(f"kv_transfer_params.tp_size must be 1 (minicore has no tensor "
+                         f"parallelism), got {tp_size!r}")
+
+
+def _check_block_ids(block_ids, max_blocks: int) -> None:
+    if not isinstance(block_ids, list | tuple):
+        raise ValueError(f"kv_transfer_params.remote_block_ids must be a list of block ids, got "
+                         f"{type(block_ids).__name__}")
+    if len(block_ids) > max_blocks:
+        raise ValueError(f"kv_transfer_params.remote_block_ids has {len(block_ids)} block ids: "
+                         f"the prompt fills at most {max_blocks} blocks")
+    if bad := [b for b in block_ids if type(b) is not int or not 0 <= b <= MAX_BLOCK_ID]:
+        raise ValueError(f"kv_transfer_params.remote_block_ids must hold integers in "
+                         f"[0, {MAX_BLOCK_ID}], got {bad[0]!r}")
+
+
+def _check_id(key: str, value) -> None:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS:
+        raise ValueError(f"kv_transfer_params.{key} must be a string of 1 to {MAX_ID_CHARS} "
+                         f"characters, got {repr(value)[:64]}")
+    check_text(f"kv_transfer_params.{key}", value)
 
 
 def side_channel(config: EngineConfig) -> tuple[str, int]:

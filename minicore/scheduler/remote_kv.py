@@ -16,13 +16,20 @@ Request states (decode side, the consumer):
   --finished_recving--> front of the waiting queue with num_computed_tokens = prompt - 1, so that
   the request computes only its last prompt token itself and samples from it.
   A load that failed (invalid_block_ids) keeps the valid prefix and recomputes the rest.
+  A parked request with no load in flight (connector.has_load_in_flight) after
+  LOAD_START_TIMEOUT_S computes its prompt itself, as after a failed load; aborted, its blocks are
+  freed at once, since nothing can be writing into them (vLLM waits for a load that never comes).
 Prefill side (the producer): a finished request whose connector says delay_free stays in
 Scheduler.requests, its blocks held, until get_finished reports it in finished_sending (the peer
 has read them, or the connector's timeout expired); has_requests() keeps the engine stepping.
+EngineCore.add_request refuses a request whose kv_transfer_params the connector cannot act on
+(validate_request), so that no request's params raise inside schedule().
 Left out: synchronous external loads (minicore's connectors load asynchronously only), the
 "fail" load-failure policy, connector prefix-cache stats.
 """
 
+import logging
+import time
 from typing import TYPE_CHECKING
 
 from minicore.protocol import EngineCoreOutput
@@ -35,6 +42,8 @@ if TYPE_CHECKING:
     from minicore.scheduler.output import SchedulerOutput
     from minicore.scheduler.scheduler import Scheduler
 
+logger = logging.getLogger(__name__)
+
 
 class NoRemoteKV:
     """The scheduler without a KV connector: no KV comes from elsewhere (so no request is ever
@@ -42,6 +51,10 @@ class NoRemoteKV:
     a worker side. Its methods are the seam ConnectorRemoteKV fills in."""
 
     __slots__ = ()
+
+    def validate_request(self, request: Request) -> None:
+        """ValueError for a request the connector could not act on (EngineCore.add_request then
+        refuses it alone); without a connector, kv_transfer_params are ignored, as in vLLM."""
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         """Prompt tokens beyond the local prefix hit whose KV comes from elsewhere; when > 0 the
@@ -80,14 +93,29 @@ class NoRemoteKV:
 class ConnectorRemoteKV:
     """The scheduler's calls into its KV connector, and the requests parked for remote KV."""
 
+    # How long a parked request may wait for its load to start before it computes its prompt
+    # itself. A connector starts a load within a step of parking (NixlConnector: at once, bounded
+    # by its handshake_timeout); one that never starts leaves the request nothing else to wait for.
+    LOAD_START_TIMEOUT_S = 30.0
+
     def __init__(self, scheduler: "Scheduler", connector: "KVConnectorBase_V1"):
         self.scheduler = scheduler
         self.connector = connector
+        self.load_start_timeout = self.LOAD_START_TIMEOUT_S
         # Parked requests by id, in the order they were parked.
         self.waiting_for_remote_kvs: dict[str, Request] = {}
+        # Parked requests with the time.monotonic() by which their load must be in flight: in
+        # park order, so the earliest deadline comes first.
+        self.load_deadlines: dict[str, float] = {}
         # Reported by the worker side since the last schedule(): their KV is in (or failed).
         self.finished_recving_kv_req_ids: set[str] = set()
         self.failed_recving_kv_req_ids: set[str] = set()
+
+    def validate_request(self, request: Request) -> None:
+        if request.kv_transfer_params is not None:
+            self.connector.validate_kv_transfer_params(
+                request.kv_transfer_params, request.num_prompt_tokens,
+                self.scheduler.kv_cache_manager.block_size)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         num_external, load_async = self.connector.get_num_new_matched_tokens(request,
@@ -115,6 +143,7 @@ class ConnectorRemoteKV:
         request.num_computed_tokens = num_computed + num_external
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.waiting_for_remote_kvs[request.request_id] = request
+        self.load_deadlines[request.request_id] = time.monotonic() + self.load_start_timeout
         return 0
 
     def update_state_after_alloc(self, request: Request) -> None:
@@ -123,11 +152,14 @@ class ConnectorRemoteKV:
 
     def request_finished(self, request: Request, output: EngineCoreOutput | None) -> bool:
         delay_free = False
-        if self.waiting_for_remote_kvs.pop(request.request_id, None) is not None:
-            # Parked (an abort): its blocks wait for the load that may still be writing them.
-            delay_free = request.request_id not in self.finished_recving_kv_req_ids
-            self.finished_recving_kv_req_ids.discard(request.request_id)
-            self.failed_recving_kv_req_ids.discard(request.request_id)
+        req_id = request.request_id
+        if self.waiting_for_remote_kvs.pop(req_id, None) is not None:
+            # Parked (an abort): its blocks wait for a load that may still be writing them.
+            delay_free = (req_id not in self.finished_recving_kv_req_ids
+                          and self.connector.has_load_in_flight(req_id))
+            self.finished_recving_kv_req_ids.discard(req_id)
+            self.failed_recving_kv_req_ids.discard(req_id)
+            self.load_deadlines.pop(req_id, None)
         block_ids = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)
         connector_delay_free, params = self.connector.request_finished(request, block_ids)
         if output is not None:
@@ -140,16 +172,40 @@ class ConnectorRemoteKV:
     def promote_received(self) -> None:
         """Move the requests whose KV arrived to the front of the waiting queue, earliest first:
         they hold their blocks already."""
+        if self.load_deadlines and next(iter(self.load_deadlines.values())) <= time.monotonic():
+            self._stop_waiting_for_loads_never_started()
         if not self.finished_recving_kv_req_ids:
             return
         received = [self.waiting_for_remote_kvs.pop(req_id)
                     for req_id in self.finished_recving_kv_req_ids]
+        for req_id in self.finished_recving_kv_req_ids:
+            self.load_deadlines.pop(req_id, None)
         self.finished_recving_kv_req_ids.clear()
         for request in sorted(received, key=lambda r: r.arrival_time, reverse=True):
             self._update_waiting_for_remote_kv(request)
             request.status = (RequestStatus.PREEMPTED if request.num_preemptions
                               else RequestStatus.WAITING)
             self.scheduler.waiting.prepend_request(request)
+
+    def _stop_waiting_for_loads_never_started(self) -> None:
+        """Parked requests past their deadline with no load in flight compute their prompt
+        themselves, as after a load that failed entirely. One with a load in flight is watched
+        no longer: its load ends with a report from the worker side."""
+        now = time.monotonic()
+        expired = []
+        for req_id, deadline in self.load_deadlines.items():
+            if deadline > now:
+                break
+            expired.append(req_id)
+        for req_id in expired:
+            del self.load_deadlines[req_id]
+            if self.connector.has_load_in_flight(req_id):
+                continue
+            logger.warning("Request %s waited %g s for its KV load to start: it computes its "
+                           "prompt itself", req_id, self.load_start_timeout)
+            self.waiting_for_remote_kvs[req_id].num_computed_tokens = 0
+            self.failed_recving_kv_req_ids.add(req_id)
+            self.finished_recving_kv_req_ids.add(req_id)
 
     def _update_waiting_for_remote_kv(self, request: Request) -> None:
         kv = self.scheduler.kv_cache_manager
@@ -168,6 +224,7 @@ class ConnectorRemoteKV:
     def update_from_kv_xfer_finished(self, kv_connector_output: KVConnectorOutput | None) -> None:
         if kv_connector_output is None:
             return
+        self.connector.update_connector_output(kv_connector_output)
         if kv_connector_output.invalid_block_ids:
             self._handle_invalid_blocks(kv_connector_output.invalid_block_ids)
         requests = self.scheduler.requests

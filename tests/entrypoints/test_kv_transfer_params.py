@@ -1,8 +1,9 @@
 """kv_transfer_params (disaggregated prefill) through the frontend, without an engine: checked in
 SamplingParams; carried by the InputProcessor's EngineCoreRequest across msgpack; an
 EngineCoreOutput's params reaching RequestOutput through the OutputProcessor; and over HTTP, taken
-in completion and chat bodies (400 for a non-object, or with n > 1 or several prompts) and returned
-at the top level of whole responses (null without them, as vLLM), never on stream chunks."""
+in completion and chat bodies (400 for a non-object, or with n > 1 or several prompts; with a KV
+connector, 400 for what it could not act on, naming the key) and returned at the top level of whole
+responses (null without them, as vLLM), never on stream chunks."""
 
 import json
 import types
@@ -17,6 +18,7 @@ from minicore.engine.output_processor import OutputProcessor, RequestOutputColle
 from minicore.entrypoints.api_server import build_app
 from minicore.entrypoints.metrics import ServerMetrics
 from minicore.entrypoints.serving import OpenAIServing
+from minicore.kv_transfer.config import KVTransferConfig
 from minicore.model.loader import load_tokenizer, resolve_model_dir
 from minicore.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from minicore.request import FinishReason
@@ -79,9 +81,9 @@ class StubEngineClient:
     request crosses msgpack to a stub engine that answers two tokens, the last with the
     connector's params when the request asked for any."""
 
-    def __init__(self, tokenizer, vocab_size):
+    def __init__(self, tokenizer, vocab_size, **config_args):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
-        self.config = create_engine_config(max_model_len=64)
+        self.config = create_engine_config(max_model_len=64, **config_args)
         self.input_processor = InputProcessor(self.config, tokenizer, vocab_size)
         self.output_processor = OutputProcessor(tokenizer)
         self.model_name = MODEL
@@ -113,12 +115,16 @@ def client(tokenizer_and_vocab):
     return StubEngineClient(*tokenizer_and_vocab)
 
 
-@pytest.fixture
-def http(client):
+def http_to(client) -> httpx.AsyncClient:
     serving = OpenAIServing(client, [MODEL])
     app = build_app(client, serving, ServerMetrics(MODEL, 1, lambda: client.latest_stats),
                     log_stats=False)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test")
+
+
+@pytest.fixture
+def http(client):
+    return http_to(client)
 
 
 def _body(path: str, **fields) -> dict:
@@ -180,3 +186,45 @@ async def test_refused_with_several_prompts(http, client):
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "kv_transfer_params"
     assert client.received == []
+
+
+# A decode request as the proxy sends it: where the prefill instance holds the prompt's block.
+DECODE = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [0],
+          "remote_engine_id": "P", "remote_host": "127.0.0.1", "remote_port": 5600,
+          "remote_request_id": "cmpl-1-0", "tp_size": 1}
+
+
+@pytest.fixture
+def nixl_client(tokenizer_and_vocab):
+    """The stub engine behind an InputProcessor configured with a NixlConnector."""
+    return StubEngineClient(*tokenizer_and_vocab, kv_transfer_config=KVTransferConfig(
+        "NixlConnector", "kv_both", "E", {"side_channel_port": 7200}))
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("fields, key", [
+    ({"remote_port": "abc"}, "remote_port"), ({"remote_port": 70000}, "remote_port"),
+    ({"remote_block_ids": 5}, "remote_block_ids"), ({"remote_block_ids": [-3]}, "remote_block_ids"),
+    ({"remote_block_ids": [0] * 10}, "remote_block_ids"), ({"remote_host": None}, "remote_host"),
+    ({"remote_request_id": 12}, "remote_request_id"), ({"do_remote_prefill": "yes"},
+                                                       "do_remote_prefill")])
+async def test_with_a_connector_what_it_cannot_act_on_is_a_400_naming_the_key(
+        nixl_client, path, fields, key):
+    async with http_to(nixl_client) as http:
+        response = await http.post(path, json=_body(path, kv_transfer_params={**DECODE,
+                                                                              **fields}))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "kv_transfer_params" and error["type"] == "BadRequestError"
+    assert error["message"].startswith(f"kv_transfer_params.{key} "), error
+    assert nixl_client.received == []
+
+
+@pytest.mark.parametrize("path", PATHS)
+async def test_with_a_connector_well_formed_params_pass(nixl_client, path):
+    async with http_to(nixl_client) as http:
+        for params in (DECODE, ASK, {"do_remote_decode": True}):
+            response = await http.post(path, json=_body(path, kv_transfer_params=params))
+            assert response.status_code == 200, response.text
+    assert [r.sampling_params.kv_transfer_params for r in nixl_client.received] == [
+        DECODE, ASK, {"do_remote_decode": True}]

@@ -1,6 +1,7 @@
 """`python -m minicore proxy` against fake prefill and decode instances (small uvicorn servers in
 this process, on free ports): what each instance is asked (the prefill's max_tokens=1 and
-do_remote_decode; the decode's original request with the prefill's kv_transfer_params), streams
+do_remote_decode; the decode's original request with the prefill's kv_transfer_params, and never
+the client's own kv_transfer_params, whatever the prefill returned), streams
 passed through, round-robin over two prefill and two decode instances, an instance's error passed
 through, an unreachable instance as a 503 OpenAI error, a client that leaves closing the decode
 instance's stream or prefill request (the command line: test_proxy_cli.py)."""
@@ -33,6 +34,8 @@ class FakeInstance:
         self.name = name
         self.received: list[tuple[str, dict]] = []
         self.fail: tuple[int, str] | None = None  # (status, "json" or "text")
+        # A prefill without a KV connector answers kv_transfer_params null.
+        self.returns_params = True
         # A prefill waits for its client to leave; a decode stream sends one chunk, then waits
         # until it is closed. Either then sets closed.
         self.hang = False
@@ -63,7 +66,8 @@ class FakeInstance:
                 await asyncio.sleep(0.05)
             if self.hang:
                 self.closed.set()
-            return {"choices": [{"text": "p"}], "kv_transfer_params": self.kv_params()}
+            return {"choices": [{"text": "p"}],
+                    "kv_transfer_params": self.kv_params() if self.returns_params else None}
         if body.get("stream"):
             return StreamingResponse(self._chunks(), media_type="text/event-stream")
         return {"choices": [{"text": f"{self.name}: a b c"}], "kv_transfer_params": None}
@@ -113,7 +117,7 @@ def proxy(deployment):
     url, prefills, decodes = deployment
     for instance in prefills + decodes:
         instance.received.clear()
-        instance.fail, instance.hang = None, False
+        instance.fail, instance.hang, instance.returns_params = None, False, True
         instance.closed.clear()
     return deployment
 
@@ -139,6 +143,31 @@ async def test_completion_goes_to_prefill_with_one_token_then_to_decode(proxy):
     assert body == dict(request, kv_transfer_params=prefill.kv_params())
     assert response.json() == {"choices": [{"text": f"{decode.name}: a b c"}],
                                "kv_transfer_params": None}
+
+
+# What a client might send to make the decode instance read (or connect) wherever it says.
+CLIENT_PARAMS = {"do_remote_prefill": True, "do_remote_decode": True, "remote_block_ids": [0, 1],
+                 "remote_engine_id": "elsewhere", "remote_host": "10.0.0.1", "remote_port": 22,
+                 "remote_request_id": "x"}
+
+
+@pytest.mark.parametrize("prefill_returns_params", [True, False], ids=["params", "null"])
+async def test_a_clients_own_kv_transfer_params_reach_neither_instance(proxy,
+                                                                       prefill_returns_params):
+    url, prefills, decodes = proxy
+    for instance in prefills:
+        instance.returns_params = prefill_returns_params
+    request = {"prompt": "hello", "max_tokens": 3, "kv_transfer_params": CLIENT_PARAMS}
+    async with httpx.AsyncClient(timeout=10) as http:
+        response = await http.post(url + "/v1/completions", json=request)
+    assert response.status_code == 200
+    prefill, _, prefill_body = _only(prefills)
+    _, _, body = _only(decodes)
+    expected = {"prompt": "hello", "max_tokens": 3}
+    if prefill_returns_params:
+        expected["kv_transfer_params"] = prefill.kv_params()
+    assert body == expected
+    assert prefill_body["kv_transfer_params"] == {"do_remote_decode": True}
 
 
 async def test_chat_stream_passes_the_decode_chunks_through(proxy):

@@ -1,0 +1,92 @@
+"""Issue 24 end to end: a real `python -m minicore serve` with a NixlConnector (kv_both) takes 30
+malformed kv_transfer_params in a row, each a 400 with an OpenAI error body naming the key (once,
+one of them killed the engine and every later request got a 503); its engine process is the same
+afterwards, it serves a normal request, and a well-formed decode request whose prefill instance
+does not exist (its read fails at the handshake) is computed here instead; then nothing runs or
+waits and the KV cache is empty. One server, real model (NixlConnector needs a KV cache, which
+the simulated runner has not); every wait bounded."""
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from test_kv_transfer_params_checks import BAD, VALID
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))
+from server_helpers import (  # noqa: E402
+    ServerProcess,
+    check_openai_error,
+    engine_state,
+    free_port,
+    post_json,
+)
+
+pytestmark = pytest.mark.model
+
+BLOCK_SIZE = 16
+# 40 tokens: 3 blocks of 16, so that VALID's three remote blocks fit and four do not.
+PROMPT = list(range(1000, 1040))
+# Long enough for three blocks whatever the chat template adds.
+CHAT = [{"role": "user", "content": "Count the apples: " + "apple " * 60}]
+REQUEST_TIMEOUT_S = 60
+SETTLE_S = 10
+# 30 of the shapes, spread over every key; block-count cases only with the fixed-length prompt.
+MALFORMED = random.Random(24).sample(BAD, 30)
+
+
+def kv_transfer_config() -> str:
+    return json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                       "kv_connector_extra_config": {"side_channel_port": free_port(),
+                                                     "handshake_timeout": 1}})
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess("--max-model-len", "256", "--kv-cache-memory", str(32 << 20),
+                       "--block-size", str(BLOCK_SIZE),
+                       "--kv-transfer-config", kv_transfer_config()) as server:
+        yield server
+
+
+def body_for(i: int, params: dict, key: str) -> tuple[str, dict]:
+    if i % 3 == 0 and key != "remote_block_ids":
+        return "/v1/chat/completions", {"messages": CHAT, "max_tokens": 4,
+                                        "kv_transfer_params": params}
+    return "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "kv_transfer_params": params}
+
+
+def test_malformed_params_are_refused_and_the_engine_serves_on(server):
+    with httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        engine_pid = server.engine_process().pid
+        for i, (params, key) in enumerate(MALFORMED):
+            path, body = body_for(i, params, key)
+            error = check_openai_error(post_json(http, path, body), 400)
+            assert error["param"] == "kv_transfer_params", error
+            assert f"kv_transfer_params.{key}" in error["message"], (key, error)
+        assert server.engine_process().pid == engine_pid
+        assert http.get("/health").status_code == 200
+
+        plain = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+        answer = http.post("/v1/completions", json=plain)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["finish_reason"] == "length"
+        # Well formed, but no prefill instance listens there: the read fails, the prompt is
+        # computed here, and the answer is the same.
+        dead_peer = dict(VALID, remote_port=free_port())
+        decoded = http.post("/v1/completions", json={**plain, "kv_transfer_params": dead_peer})
+        assert decoded.status_code == 200, decoded.text
+        assert decoded.json()["choices"][0]["text"] == answer.json()["choices"][0]["text"]
+        assert "no handshake answer" in server.log()
+
+        deadline = time.monotonic() + SETTLE_S
+        while (state := engine_state(http, model)) != {"vllm:num_requests_running": 0,
+                                                       "vllm:num_requests_waiting": 0,
+                                                       "vllm:kv_cache_usage_perc": 0}:
+            assert time.monotonic() < deadline, state
+            time.sleep(0.2)
+        assert server.engine_process().pid == engine_pid
