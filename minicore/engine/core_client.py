@@ -10,11 +10,13 @@ the engines' waves going with a DPCoordinator (minicore/dp/coordinator.py).
 Supervision: when a local engine process exits, a remote engine (a headless DP rank) sends
 ENGINE_CORE_DEAD, or a send to an engine fails, the client turns dead: it stops the other local
 engines (DP ranks cannot go on without a peer), fails pending utility calls, and tells its owner
-through on_dead, which fails the requests in flight. Nothing else a socket delivers can do that: a
-frame that does not decode, or names an engine that does not exist, is dropped (and logged, at
-rate-limited intervals), and ENGINE_CORE_DEAD from a local engine only announces the process exit
-that the process watch then sees. The input ROUTER reads nothing after startup, so it holds at most
-a few small frames per peer. Left out: several API servers sharing one coordinator process,
+through on_dead, which fails the requests in flight. An engine that is alive but sends nothing, not
+even the answer to a ping, for MINICORE_ENGINE_ITERATION_TIMEOUT_S (60 s) is declared hung, with the
+same effect (EngineWatchdog, minicore/dp/coordinator.py). Nothing else a socket delivers can do
+that: a frame that does not decode, or names an engine that does not exist, is dropped (and logged,
+at rate-limited intervals), and ENGINE_CORE_DEAD from a local engine only announces the process
+exit that the process watch then sees. The input ROUTER reads nothing after startup, so it holds
+at most a few small frames per peer. Left out: several API servers sharing one coordinator process,
 elastic scaling, socket authentication (docs/DATA_PARALLEL.md says what is exposed).
 """
 
@@ -33,7 +35,7 @@ import zmq
 import zmq.asyncio
 
 from minicore.config import EngineConfig
-from minicore.dp.coordinator import DPCoordinator
+from minicore.dp.coordinator import DPCoordinator, make_watchdog
 from minicore.engine.launch import CoreEngineProcManager, wait_for_engine_startup
 from minicore.protocol import (
     ENGINE_CORE_DEAD,
@@ -77,6 +79,10 @@ class AsyncMPClient:
         # Called once, with the error, when the client turns dead.
         self.on_dead: Callable[[EngineDeadError], None] | None = None
         self.manager: CoreEngineProcManager | None = None
+        # Chosen once: it pings quiet engines and declares the silent ones hung (set_dead).
+        self.watchdog = make_watchdog(self.num_engines, self._ping, self._frames_pending,
+                                      self.set_dead)
+        self._last_frame = self.watchdog.last_frame
         self._dead_reason: str | None = None
         self._shutting_down = False
         # Set by expect_engine_exit: engines stopping now are no error to log.
@@ -141,6 +147,7 @@ class AsyncMPClient:
             self._take_first_input_frames(deadline)
         finally:
             handshake.close(linger=0)
+        self.watchdog.start()
         logger.info("%d engine core(s) ready: KV blocks by engine %s", self.num_engines,
                     self.num_blocks)
 
@@ -177,6 +184,15 @@ class AsyncMPClient:
         if not self._engine_exited.done():
             self._engine_exited.set_result(reason)
 
+    def _ping(self, engine_index: int) -> None:
+        """The watchdog's question to a quiet engine: its answer is a frame like any other, which
+        no one awaits (no future under its call id)."""
+        self._send(EngineCoreRequestType.UTILITY, (next(self._call_ids), "ping", ()),
+                   engine_index, raise_if_dead=False)
+
+    def _frames_pending(self) -> bool:
+        return bool(self.output_socket.get(zmq.EVENTS) & zmq.POLLIN)
+
     def expect_engine_exit(self) -> None:
         """The server is stopping on a signal, which a terminal's Ctrl+C also sends to the
         engines (the whole process group): their exit from now on is expected, not logged as an
@@ -188,6 +204,7 @@ class AsyncMPClient:
         if self._dead_reason is not None:
             return
         self._dead_reason = reason
+        self.watchdog.stop()
         if not self._shutting_down and not self._exit_expected:
             logger.error("the engine core is dead: %s", reason)
             if self.manager is not None:
@@ -255,6 +272,7 @@ class AsyncMPClient:
             if not 0 <= outputs.engine_index < self.num_engines:
                 self._drop(f"a frame from engine {outputs.engine_index}, which does not exist")
                 continue
+            self._last_frame[outputs.engine_index] = time.monotonic()
             self._process_engine_outputs(outputs)
             return outputs
 
