@@ -44,7 +44,7 @@ from minicore.protocol import (
     EngineCoreRequestType,
     parse_engine_dead_frame,
 )
-from minicore.utils import make_zmq_socket
+from minicore.utils import listen_error, make_zmq_socket
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,8 @@ class AsyncMPClient:
 
     def _bind(self, socket_type: int, name: str, **options) -> zmq.Socket:
         """Bind a frontend socket: ipc for one engine; tcp with data parallelism, so that ranks on
-        other machines can connect (the handshake at rpc_port + 1, the others on free ports)."""
+        other machines can connect (the handshake at rpc_port + 1, the others on free ports). The
+        handshake's port in use: a ListenError naming --data-parallel-rpc-port."""
         pc = self.config.parallel_config
         if self.num_engines == 1:
             address = f"ipc://{self._tmpdir}/{name}"
@@ -120,6 +121,10 @@ class AsyncMPClient:
         try:
             return make_zmq_socket(self.ctx, address, socket_type, bind=True, **options)
         except zmq.ZMQError as e:
+            if self.num_engines > 1 and name == "handshake":
+                raise listen_error(e, pc.data_parallel_address, pc.data_parallel_rpc_port + 1,
+                                   "the engines' handshake", "--data-parallel-rpc-port",
+                                   pc.data_parallel_rpc_port) from None
             raise RuntimeError(f"the frontend cannot listen on {address}: {e}") from None
 
     async def start(self, timeout: float) -> None:

@@ -11,7 +11,9 @@ Startup handshake (the frontend binds, every engine connects, in any order):
   engine connects its DEALER input (identity = i as 2 bytes) and PUSH output, sends an empty frame
   on the input so the frontend's ROUTER learns its identity, builds its EngineCore (loads the
   model), then: engine -> frontend  READY {"status": "READY", "num_gpu_blocks": KV blocks}
-Left out: Ray, elastic scaling, several API servers.
+An engine that cannot start logs why (one line for a bad configuration or a port in use) and exits
+1; one still starting stops on SIGTERM/SIGINT within a second even when blocked in C++, as a DP
+rank waiting in torch's rendezvous is. Left out: Ray, elastic scaling, several API servers.
 """
 
 import asyncio
@@ -22,6 +24,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 
 import msgspec
@@ -33,10 +36,13 @@ from minicore.config import EngineConfig
 from minicore.engine.core_proc import HANDSHAKE_TIMEOUT_S, EngineCoreProc
 from minicore.logger import configure_logging, init_logger
 from minicore.model.registry import runner_info
+from minicore.utils import ListenError
 
 logger = init_logger(__name__)
 
 STOP_TIMEOUT_S = 5.0
+# How long an engine still starting may take to act on SIGTERM/SIGINT before it is made to exit.
+STARTUP_SIGNAL_GRACE_S = 1.0
 
 
 def resolve_model(config: EngineConfig) -> EngineConfig:
@@ -94,6 +100,7 @@ def run_engine_core(config: EngineConfig, handshake_address: str, engine_index: 
 
     signal.signal(signal.SIGTERM, signal_handler)
     signal.signal(signal.SIGINT, signal_handler)
+    stop_watch = _watch_signals_during_startup()
     engine_core: EngineCoreProc | None = None
     fatal = False
     try:
@@ -105,7 +112,11 @@ def run_engine_core(config: EngineConfig, handshake_address: str, engine_index: 
             # The one place a rank is written into its config: each process has its own copy.
             config.parallel_config.data_parallel_rank = engine_index
             engine_core_cls = DPEngineCoreProc
-        engine_core = engine_core_cls(config, handshake_address, engine_index, handshake_timeout)
+        try:
+            engine_core = engine_core_cls(config, handshake_address, engine_index,
+                                          handshake_timeout)
+        finally:
+            stop_watch()
         log_engine_config(engine_core.config, engine_core.model_runner)
         uvloop.run(engine_core.run())
         logger.info("EngineCore exiting.")
@@ -114,9 +125,9 @@ def run_engine_core(config: EngineConfig, handshake_address: str, engine_index: 
         raise
     except Exception as e:
         fatal = True
-        if engine_core is None and isinstance(e, ValueError):
-            # A configuration the engine cannot run (KV cache too small, unsupported model): the
-            # message says it all; the traceback only at debug level.
+        if engine_core is None and isinstance(e, (ValueError, ListenError)):
+            # A configuration the engine cannot run (KV cache too small, unsupported model, a
+            # port in use): the message says it all; the traceback only at debug level.
             logger.error("EngineCore failed to start: %s", e,
                          exc_info=logger.isEnabledFor(logging.DEBUG))
         elif engine_core is None:
@@ -126,6 +137,34 @@ def run_engine_core(config: EngineConfig, handshake_address: str, engine_index: 
     finally:
         if engine_core is not None:
             engine_core.close(fatal)
+
+
+def _watch_signals_during_startup():
+    """Make SIGTERM/SIGINT stop an engine that is still starting, within STARTUP_SIGNAL_GRACE_S;
+    returns the function that ends the watch, once startup is over. Python runs a signal handler
+    only between the main thread's bytecodes: a DP rank blocked in torch's rendezvous (its rank 0
+    failed to start) would otherwise ignore the signal for minutes, and its launcher would wait
+    for it. The C-level handler writes each signal to the wakeup fd at once: a thread reading it
+    exits the process, with the handler's status 0, if the handler has not done so by then."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd)
+    over = threading.Event()
+
+    def watch():
+        signalled = os.read(read_fd, 1)  # b"" once stop() closed the pipe
+        os.close(read_fd)
+        if signalled and not over.wait(STARTUP_SIGNAL_GRACE_S):
+            logger.info("EngineCore exiting (a signal, while blocked in startup).")
+            os._exit(0)
+
+    def stop():
+        over.set()
+        signal.set_wakeup_fd(-1)
+        os.close(write_fd)
+
+    threading.Thread(target=watch, daemon=True, name="startup_signal_watch").start()
+    return stop
 
 
 def log_engine_config(config: EngineConfig, runner) -> None:

@@ -8,7 +8,11 @@ Mirrors NixlConnectorWorker in vllm/distributed/kv_transfer/kv_connector/v1/nixl
   while registered (NIXL reads their memory behind torch's back).
 - A handshake listener thread answers GET_META_MSG on a ZMQ ROUTER at the side channel with this
   agent's metadata and region addresses; the decode side fetches it (ZMQ REQ) the first time it
-  reads from an engine, and adds the remote agent (vLLM's _nixl_handshake).
+  reads from an engine, and adds the remote agent (vLLM's _nixl_handshake). The ROUTER is bound
+  in the constructor, on side_channel_host only: a port in use fails the engine's startup with one
+  line naming side_channel_port (vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT). Should the thread fail
+  later, it logs why, and the next step raises it on the forward thread: the engine fails rather
+  than run on with a side channel no peer can reach.
 - start_load_kv starts one READ per request, local block i from the remote request's matching
   block, with the remote request id as the notification NIXL delivers to the prefill side when
   the read completes; a request with no block to read only sends that notification.
@@ -38,10 +42,15 @@ from minicore.kv_transfer.nixl_metadata import (
     engine_id,
     side_channel,
 )
+from minicore.utils import bind_zmq_socket
 
 logger = logging.getLogger(__name__)
 
 GET_META_MSG = b"get_meta_msg"
+# Whoever reaches the side channel can send to it: a handshake is one short message and waits for
+# its answer, so a peer that sends more, or more at once, is queued this little.
+SIDE_CHANNEL_MAX_MSG_BYTES = 1024
+SIDE_CHANNEL_HWM = 16
 NIXL_MISSING = ("NIXL is not installed ({error}): NixlConnector needs it. On a CPU machine, "
                 "after the CPU torch: pip install nixl-cu12==1.5.1 && pip install --no-deps "
                 "nixl==1.5.1 (scripts/setup.sh does this); a plain `pip install nixl` pulls a "
@@ -71,6 +80,8 @@ class NixlConnectorWorker:
         kv_config = config.kv_transfer_config
         self.engine_id = engine_id(config)
         self.side_channel_host, self.side_channel_port = side_channel(config)
+        self._ctx = zmq.Context()
+        self._side_channel = self._bind_side_channel(config.parallel_config.data_parallel_rank)
         self.handshake_timeout = float(kv_config.get_from_extra_config("handshake_timeout", 5.0))
         self.abort_request_timeout = float(kv_config.get_from_extra_config(
             "abort_request_timeout", DEFAULT_ABORT_REQUEST_TIMEOUT_S))
@@ -92,8 +103,24 @@ class NixlConnectorWorker:
         self._early_notifs: dict[str, float] = {}
         self._stop = threading.Event()
         self._listener: threading.Thread | None = None
+        self._listener_error: Exception | None = None
 
     # ---- registration and the handshake listener -----------------------------------------------
+
+    def _bind_side_channel(self, dp_rank: int) -> zmq.Socket:
+        """The handshake listener's ROUTER, bound now, before the NIXL agent and the thread: a
+        port in use fails the engine's startup here (a ListenError naming side_channel_port),
+        where the thread's error would leave startup waiting for it."""
+        what = f"DP rank {dp_rank}'s NIXL side channel" if dp_rank else "the NIXL side channel"
+        sock = bind_zmq_socket(
+            self._ctx, zmq.ROUTER, self.side_channel_host, self.side_channel_port, what,
+            "kv_connector_extra_config.side_channel_port", value=self.side_channel_port - dp_rank,
+            how=" in --kv-transfer-config (vLLM: VLLM_NIXL_SIDE_CHANNEL_PORT)",
+            rcvhwm=SIDE_CHANNEL_HWM, sndhwm=SIDE_CHANNEL_HWM,
+            max_msg_size=SIDE_CHANNEL_MAX_MSG_BYTES)
+        # The thread checks for shutdown between receives.
+        sock.setsockopt(zmq.RCVTIMEO, 200)
+        return sock
 
     def register_kv_caches(self, kv_caches: list) -> None:
         self.kv_caches = list(kv_caches)
@@ -107,32 +134,35 @@ class NixlConnectorWorker:
             "NIXL_INIT_AGENT", _block_descs(bases, num_blocks, block_len), "DRAM")
         self._metadata = NixlAgentMetadata(self.engine_id, self.agent.get_agent_metadata(),
                                            bases, num_blocks, block_len)
-        ready = threading.Event()
-        self._listener = threading.Thread(target=self._handshake_listener, args=(ready,),
-                                          daemon=True, name="nixl_handshake_listener")
+        self._listener = threading.Thread(target=self._handshake_listener, daemon=True,
+                                          name="nixl_handshake_listener")
         self._listener.start()
-        ready.wait()
 
-    def _handshake_listener(self, ready: threading.Event) -> None:
+    def _handshake_listener(self) -> None:
+        """Answer each handshake with this agent's metadata until shutdown. Whoever reaches the
+        port may send anything: a message not framed as a REQ's is skipped, never the thread's
+        end. Any other failure is logged and kept for the forward thread (get_finished)."""
         encoded = msgspec.msgpack.encode(self._metadata)
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.RCVTIMEO, 200)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(f"tcp://{self.side_channel_host}:{self.side_channel_port}")
-        ready.set()
+        sock = self._side_channel
         try:
             while not self._stop.is_set():
                 try:
-                    identity, _, msg = sock.recv_multipart()
+                    frames = sock.recv_multipart()
                 except zmq.Again:
                     continue
-                if msg != GET_META_MSG:
-                    logger.warning("NIXL handshake listener got unexpected message %r", msg)
-                sock.send_multipart((identity, b"", encoded))
-        finally:
-            sock.close()
-            ctx.term()
+                if len(frames) != 3 or frames[1]:
+                    logger.warning("NIXL handshake listener skipped a message of %d frame(s)",
+                                   len(frames))
+                    continue
+                if frames[2] != GET_META_MSG:
+                    logger.warning("NIXL handshake listener got unexpected message %r",
+                                   frames[2][:64])
+                sock.send_multipart((frames[0], b"", encoded))
+        except Exception as e:
+            logger.error("the NIXL side channel on %s:%d failed, peers can no longer handshake "
+                         "with this engine: %r", self.side_channel_host, self.side_channel_port,
+                         e)
+            self._listener_error = e
 
     def _handshake(self, meta: ReqMeta) -> tuple[str, object, int]:
         """Fetch the remote engine's metadata and add its agent (cached per engine id)."""
@@ -222,6 +252,9 @@ class NixlConnectorWorker:
         self._invalid_block_ids.update(block_ids)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        if self._listener_error is not None:
+            raise RuntimeError(f"the NIXL side channel on {self.side_channel_host}:"
+                               f"{self.side_channel_port} failed: {self._listener_error!r}")
         return self._get_finished_sending(), self._get_finished_recving()
 
     def _get_finished_recving(self) -> set[str] | None:
@@ -280,6 +313,7 @@ class NixlConnectorWorker:
         if self._listener is not None:
             self._listener.join()
             self._listener = None
+        self._ctx.destroy(linger=0)  # closes the side channel's socket
         for handle, _, _ in self._recving.values():
             self.agent.release_xfer_handle(handle)
         self._recving.clear()
