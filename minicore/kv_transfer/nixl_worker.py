@@ -57,6 +57,11 @@ NIXL_MISSING = ("NIXL is not installed ({error}): NixlConnector needs it. On a C
                 "CUDA torch")
 
 
+# Microseconds between polls of NIXL's progress thread: an idle engine spends about 2% of a core on
+# it instead of a whole one (docs/BENCHMARKS.md), and a READ completes at most this much later.
+PROGRESS_THREAD_DELAY_US = 1000
+
+
 class NixlAgentMetadata(msgspec.Struct):
     engine_id: str
     agent_metadata: bytes
@@ -67,11 +72,28 @@ class NixlAgentMetadata(msgspec.Struct):
 
 
 def _import_nixl():
+    """(agent class, config class) of NIXL's Python API, the agent with a paced progress thread."""
     try:
-        from nixl._api import nixl_agent, nixl_agent_config
+        from nixl import _api
     except ImportError as e:
         raise RuntimeError(NIXL_MISSING.format(error=e)) from e
-    return nixl_agent, nixl_agent_config
+
+    def nixl_agent(name: str, config):
+        # nixl_agent hard-codes pthrDelay = 0, so its progress thread polls without pause and
+        # spins a core even while the engine idles; the delay is set where the agent is made.
+        make = _api.nixlBind.nixlAgent
+
+        def paced(agent_name, agent_config):
+            agent_config.pthrDelay = PROGRESS_THREAD_DELAY_US
+            return make(agent_name, agent_config)
+
+        _api.nixlBind.nixlAgent = paced
+        try:
+            return _api.nixl_agent(name, config)
+        finally:
+            _api.nixlBind.nixlAgent = make
+
+    return nixl_agent, _api.nixl_agent_config
 
 
 class NixlConnectorWorker:

@@ -53,3 +53,22 @@ def test_the_worker_refuses_without_nixl(monkeypatch):
     monkeypatch.setitem(sys.modules, "nixl", None)
     with pytest.raises(RuntimeError, match="NIXL is not installed.*pip install nixl-cu12"):
         nixl_worker._import_nixl()
+
+
+def test_the_agents_progress_thread_pauses_between_polls(monkeypatch):
+    """nixl_agent would start it with pthrDelay 0: a core spun by an idle engine."""
+    _api = pytest.importorskip("nixl._api")
+    from minicore.kv_transfer import nixl_worker
+
+    made = []
+
+    def record(name, agent_config):
+        made.append(agent_config.pthrDelay)
+        raise RuntimeError("stop before a real agent starts")
+
+    monkeypatch.setattr(_api.nixlBind, "nixlAgent", record)
+    nixl_agent, nixl_agent_config = nixl_worker._import_nixl()
+    with pytest.raises(RuntimeError, match="stop before"):
+        nixl_agent("probe", nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+    assert made == [nixl_worker.PROGRESS_THREAD_DELAY_US] and made[0] > 0
+    assert _api.nixlBind.nixlAgent is record  # put back as it was
