@@ -16,7 +16,6 @@ hanging until gloo's timeout (300 s) with DP, or for ever without.
 """
 
 import asyncio
-import json
 import os
 import signal
 import sys
@@ -41,7 +40,7 @@ from minicore.model.config import SimulatedCost
 from minicore.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))
-from server_helpers import ServerProcess  # noqa: E402
+from server_helpers import ServerProcess, stream_events  # noqa: E402
 
 TIMEOUT_S = 2.0
 # A hang is declared within 1.5 timeouts; the rest is slack for a loaded 2-core machine.
@@ -149,18 +148,7 @@ def _rank0(server: ServerProcess, rpc_port: int) -> psutil.Process:
     return rank0
 
 
-async def _stream_events(http: httpx.AsyncClient, rank: int, started: asyncio.Event) -> list:
-    """A long streamed completion pinned to rank: its events, up to the one that ends it."""
-    events = []
-    async with http.stream("POST", "/v1/completions", headers={RANK: str(rank)}, json={
-            "prompt": "Go on and on.", "max_tokens": 1000, "ignore_eos": True,
-            "stream": True}) as response:
-        assert response.status_code == 200
-        async for line in response.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                events.append(json.loads(line[6:]))
-                started.set()
-    return events
+LONG_STREAM = {"prompt": "Go on and on.", "max_tokens": 1000, "ignore_eos": True}
 
 
 async def _health(http: httpx.AsyncClient) -> int:
@@ -176,7 +164,7 @@ async def test_sigstopped_dp_rank_turns_health_503_and_fails_the_stream(monkeypa
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as http, \
                 asyncio.timeout(60):
             started = asyncio.Event()
-            stream = asyncio.create_task(_stream_events(http, 1, started))
+            stream = asyncio.create_task(stream_events(http, LONG_STREAM, started, {RANK: "1"}))
             await asyncio.wait_for(started.wait(), 20)
             # Rank 0 holds no request: it runs dummy batches for rank 1's wave, sending nothing.
             rank0.suspend()

@@ -141,14 +141,20 @@ def test_requests_the_engine_cannot_run_are_refused_alone():
         assert proc.is_alive()
 
 
+def start_long_request(frontend: FakeFrontend, request_id: str) -> None:
+    """An engine with 0.3 s steps, running request_id: returns at its first output, as the next
+    step starts."""
+    frontend.start(run_engine_core, simulated_config(step_s=0.3))
+    frontend.complete_handshake()
+    add(frontend, request_id, max_tokens=100)
+    while not (frame := frontend.next_output()).outputs:
+        pass
+    assert [o.request_id for o in frame.outputs] == [request_id]
+
+
 def test_an_abort_during_a_step_takes_effect_after_it():
     with FakeFrontend() as frontend:
-        frontend.start(run_engine_core, simulated_config(step_s=0.3))
-        frontend.complete_handshake()
-        add(frontend, "r", max_tokens=100)
-        while not (frame := frontend.next_output()).outputs:
-            pass
-        assert [o.request_id for o in frame.outputs] == ["r"]
+        start_long_request(frontend, "r")
         # The engine started the next step as it sent that output; the abort lands inside it and
         # waits for the step's end, as in vLLM (the frontend drops the step's output).
         frontend.send(ABORT, ["r"])
@@ -168,11 +174,7 @@ def test_a_request_id_reused_during_a_step_never_gets_the_old_requests_token():
         tokens.append(next_token(tokens, DEFAULT_VOCAB_SIZE, frozenset(DEFAULT_EOS_TOKEN_IDS)))
         expected.append(tokens[-1])
     with FakeFrontend() as frontend:
-        frontend.start(run_engine_core, simulated_config(step_s=0.3))
-        frontend.complete_handshake()
-        add(frontend, "x", max_tokens=100)
-        while not (frame := frontend.next_output()).outputs:
-            pass
+        start_long_request(frontend, "x")
         frontend.send(ABORT, ["x"])
         add(frontend, "x", max_tokens=3, prompt=new_prompt)
         # The step in flight still reports the old x's token; everything after is the new x's.

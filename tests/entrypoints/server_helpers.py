@@ -131,3 +131,17 @@ def engine_state(http: httpx.Client, model_name: str, engine: str = "0") -> dict
         if name in values and sorted(rest[:rest.index("}")].split(",")) == want:
             values[name] = float(line.rsplit(" ", 1)[1])
     return values
+
+
+async def stream_events(http: httpx.AsyncClient, body: dict, started, headers=None) -> list[dict]:
+    """Stream a completion; set `started` (an asyncio.Event) at its first event; return all its
+    events."""
+    events = []
+    async with http.stream("POST", "/v1/completions", headers=headers,
+                           json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+                started.set()
+    return events

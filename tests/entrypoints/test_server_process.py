@@ -5,7 +5,6 @@ SIMULATED runner (made-up tokens every 20 ms): what matters here is the processe
 and each of these tests needs a server of its own."""
 
 import asyncio
-import json
 import os
 import re
 import signal
@@ -16,7 +15,7 @@ import time
 
 import httpx
 import psutil
-from server_helpers import ServerProcess, free_port
+from server_helpers import ServerProcess, free_port, stream_events
 
 SIMULATED = ["--runner", "simulated", "--simulated-cost", '{"step_s": 0.02}',
              "--max-model-len", "1024", "--kv-cache-memory", str(64 << 20)]
@@ -29,24 +28,12 @@ VLLM_LOG_LINE = re.compile(r"\((APIServer|EngineCore_DP\d+|Proxy) pid=\d+\) "
 SIGTERM_EXIT_S = 5.0
 
 
-async def _first_event_then_rest(http: httpx.AsyncClient, started: asyncio.Event) -> list[dict]:
-    """Stream a long completion; set `started` at its first event; return all its events."""
-    events = []
-    async with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
-        assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                events.append(json.loads(line[6:]))
-                started.set()
-    return events
-
-
 async def test_engine_death_fails_requests_fast_and_health_turns_503():
     with ServerProcess(*SIMULATED) as server:
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as http, \
                 asyncio.timeout(60):
             started = asyncio.Event()
-            stream = asyncio.create_task(_first_event_then_rest(http, started))
+            stream = asyncio.create_task(stream_events(http, LONG, started))
             whole = asyncio.create_task(http.post("/v1/completions", json=LONG))
             await started.wait()
             await asyncio.sleep(0.2)  # the non-streamed one is in the engine too
@@ -75,7 +62,7 @@ async def _signal_mid_stream(server: ServerProcess, send_signal) -> None:
     assert any("spawn_main" in " ".join(p.cmdline()) for p in children)
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as http, asyncio.timeout(60):
         started = asyncio.Event()
-        stream = asyncio.create_task(_first_event_then_rest(http, started))
+        stream = asyncio.create_task(stream_events(http, LONG, started))
         await started.wait()
 
         send_signal(server)
