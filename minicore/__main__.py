@@ -8,6 +8,7 @@ import os
 import re
 import sys
 
+from minicore.arg_utils import human_readable_int
 from minicore.config import create_engine_config
 from minicore.dp.sim_report import add_simulate_args, simulate_main
 from minicore.engine.arg_utils import add_engine_cli_args, engine_kwargs_from_cli
@@ -49,10 +50,43 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-prefix", type=_metrics_prefix, default="vllm",
                         help="the /metrics names' prefix (default vllm: vLLM's names, for its "
                              "dashboards and aiperf; e.g. minicore to tell both apart)")
+    _add_http_limit_args(parser.add_argument_group("HTTP limits"))
     groups = add_engine_cli_args(parser)
     groups["data parallel"].add_argument(
         "--headless", action="store_true",
         help="run only this machine's DP ranks, for a frontend on another machine")
+
+
+def _add_http_limit_args(group: argparse._ArgumentGroup) -> None:
+    """What one client may hold or send (docs/COMPATIBILITY.md); defaults as vLLM's where it has
+    the flag."""
+    group.add_argument("--max-request-body-bytes", type=_positive(human_readable_int),
+                       default=None, help="refuse (413) a request body over this many bytes, "
+                       "before parsing it (default: 64 a token of --max-model-len, at least 1M)")
+    group.add_argument("--h11-max-incomplete-event-size", type=_positive(human_readable_int),
+                       default=4 << 20, help="most bytes of a request's line and headers, as "
+                       "vLLM's (default: %(default)s)")
+    group.add_argument("--h11-max-header-count", type=_positive(int), default=256,
+                       help="most headers in a request (431 past it), as vLLM's "
+                            "(default: %(default)s)")
+    group.add_argument("--timeout-keep-alive", type=_positive(float), default=5.0,
+                       help="seconds a connection may stay open with no request under way, new "
+                            "or after a response (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE; "
+                            "default: %(default)s)")
+    group.add_argument("--timeout-request-read", type=_positive(float), default=60.0,
+                       help="seconds a client has to send a whole request, line, headers and "
+                            "body, once it has begun (default: %(default)s)")
+
+
+def _positive(kind):
+    """argparse type: kind(text), refused unless > 0."""
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be greater than 0, got {text!r}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its error message
+    return parse
 
 
 def _metrics_prefix(text: str) -> str:

@@ -3,16 +3,18 @@
 Mirrors vllm/entrypoints/openai/api_server.py (the routes, the API-key middleware, the exception
 handlers that turn every failure into an OpenAI error body, build_app, run_server; with_cancellation
 and the response helpers are in utils.py) and vllm/entrypoints/launcher.py (serve_http: uvicorn on
-our own event loop; on SIGTERM stop accepting, abort the requests in flight, stop the engine, and
-exit 0). The endpoints' logic is in serving.py. Left out: the other OpenAI endpoints (embeddings,
-audio, responses), CORS and SSL options, multiple API servers, /sleep and the dev endpoints but
-/reset_prefix_cache.
+our own event loop, on a socket bound before the engine starts; on SIGTERM stop accepting, abort
+the requests in flight, stop the engine, and exit 0). What a client may hold or send is bounded
+(utils.HttpLimits). The endpoints' logic is in serving.py. Left out: the other OpenAI endpoints
+(embeddings, audio, responses), CORS and SSL options, multiple API servers, /sleep and the dev
+endpoints but /reset_prefix_cache.
 """
 
 import asyncio
 import logging
 import os
 import secrets
+import socket
 from contextlib import asynccontextmanager, suppress
 
 import uvicorn
@@ -39,13 +41,17 @@ from minicore.entrypoints.openai_protocol import (
 from minicore.entrypoints.serving import OpenAIServing
 from minicore.entrypoints.serving_tokenization import detokenize, tokenize
 from minicore.entrypoints.utils import (
+    HttpLimits,
+    RequestLimitsMiddleware,
     SSEResponse,
     error_response,
     exit_zero_after_shutdown_signals,
     json_response,
+    raise_open_file_limit,
     with_cancellation,
 )
 from minicore.logger import uvicorn_log_config
+from minicore.utils import listen_on
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +59,12 @@ STATS_LOG_INTERVAL_S = 10.0
 # uvicorn's backstop: connections still open this long after SIGTERM are cancelled. Aborted
 # requests end their streams at once, so it only matters if something hangs.
 GRACEFUL_SHUTDOWN_S = 3
+# The default request body limit. A prompt's text takes about 4 bytes a token in JSON, escaped
+# CJK text about 12, token ids at most 8: a request holding a whole context's worth of prompt
+# fits several times over. The floor leaves room for batches of short prompts, and is about a
+# second of tokenizing at most.
+BODY_BYTES_PER_TOKEN = 64
+MIN_BODY_BYTES = 1 << 20
 
 
 class AuthenticationMiddleware:
@@ -75,7 +87,8 @@ class AuthenticationMiddleware:
 
 def build_app(client: AsyncLLM, serving: OpenAIServing, metrics: ServerMetrics,
               api_key: str | None = None, log_stats: bool = True,
-              enable_server_load_tracking: bool = False) -> FastAPI:
+              enable_server_load_tracking: bool = False,
+              limits: HttpLimits | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         stats_task = asyncio.ensure_future(_log_stats(metrics, client)) if log_stats else None
@@ -93,6 +106,10 @@ def build_app(client: AsyncLLM, serving: OpenAIServing, metrics: ServerMetrics,
                   telemetry={"tracing": False, "metrics": False, "logs": False})
     if api_key:
         app.add_middleware(AuthenticationMiddleware, api_key=api_key)
+    limits = limits or HttpLimits()
+    # Added last, so it runs first: an oversized request costs nothing more.
+    app.add_middleware(RequestLimitsMiddleware, max_body_bytes=limits.max_request_body_bytes,
+                       max_headers=limits.h11_max_header_count)
     _add_exception_handlers(app)
     # vLLM's /load: generation requests in flight, counted only with --enable-server-load-tracking.
     app.state.enable_server_load_tracking = enable_server_load_tracking
@@ -149,11 +166,11 @@ def _add_routes(app: FastAPI, client: AsyncLLM, serving: OpenAIServing,
 
     @app.post("/tokenize")
     async def tokenize_route(request: TokenizeRequest):
-        return json_response(tokenize(serving, request))
+        return json_response(await serving.on_tokenizer_thread(tokenize, serving, request))
 
     @app.post("/detokenize")
     async def detokenize_route(request: DetokenizeRequest):
-        return json_response(detokenize(serving, request))
+        return json_response(await serving.on_tokenizer_thread(detokenize, serving, request))
 
     async def run(handler, raw_request: Request, stream: bool):
         # A stream returns at once (SSEResponse notices a disconnect); a whole response needs
@@ -241,6 +258,11 @@ class ApiServer(uvicorn.Server):
         super().__init__(config)
         self.serving, self.loop = serving, loop
 
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:  # uvicorn says where it listens only on sockets it bound itself
+            self._log_started_message(sockets)
+
     def handle_exit(self, sig, frame) -> None:
         first = not self.should_exit
         super().handle_exit(sig, frame)
@@ -251,8 +273,54 @@ class ApiServer(uvicorn.Server):
 
 
 async def run_server(config: EngineConfig, args) -> None:
-    """Start the engine, then serve HTTP until SIGTERM/SIGINT. args: the `serve` command's
-    namespace (host, port, api_key, served_model_name, logging switches)."""
+    """Bind the HTTP port, start the engine, then serve HTTP until SIGTERM/SIGINT. args: the
+    `serve` command's namespace (host, port, api_key, served_model_name, the HTTP limits,
+    logging switches)."""
+    raise_open_file_limit()
+    # The port first, as vLLM's setup_server: one in use is a one-line error at once, not after
+    # the engine has loaded the model (and no engine process is started for nothing).
+    try:
+        sock = listen_on(args.host, args.port, "the API server", "--port")
+    except RuntimeError as e:
+        raise SystemExit(f"minicore: {e}") from None
+    with sock:
+        await _serve(config, args, sock, await _start_engine(config))
+
+
+async def _serve(config: EngineConfig, args, sock: socket.socket, client: AsyncLLM) -> None:
+    """Serve HTTP on sock until SIGTERM/SIGINT; the engine is stopped at the end."""
+    try:
+        model_names = args.served_model_name or [client.model_name]
+        num_engines = config.parallel_config.data_parallel_size
+        metrics = ServerMetrics(model_names[0], num_engines, lambda: client.latest_stats,
+                                prefix=args.metrics_prefix, config=config,
+                                num_blocks=client.num_blocks)
+        client.output_processor.on_new_tokens = metrics.on_new_tokens
+        client.output_processor.on_request_finished = metrics.on_request_finished
+        client.output_processor.on_iteration_end = metrics.on_iteration_end
+        serving = OpenAIServing(client, model_names, args.enable_prompt_tokens_details,
+                                args.trust_request_chat_template,
+                                args.return_tokens_as_token_ids)
+        limits = http_limits(args, serving.max_model_len)
+        app = build_app(client, serving, metrics, args.api_key, not args.disable_log_stats,
+                        args.enable_server_load_tracking, limits)
+        server = ApiServer(uvicorn.Config(
+            app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+            log_config=uvicorn_log_config(args.uvicorn_log_level),
+            access_log=not args.disable_uvicorn_access_log,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **limits.uvicorn_kwargs()),
+            serving, asyncio.get_running_loop())
+        logger.info("serving %s on http://%s:%d", ", ".join(model_names), args.host, args.port)
+        logger.info("HTTP limits: %s", limits)
+        await server.serve(sockets=[sock])
+    finally:
+        # The lifespan has normally done this already; not when startup failed or on a forced exit.
+        with suppress(Exception):
+            await client.shutdown()
+
+
+async def _start_engine(config: EngineConfig) -> AsyncLLM:
+    """The engine, started; SIGTERM/SIGINT meanwhile exits 0 at once."""
     loop = asyncio.get_running_loop()
     # Until uvicorn installs its handlers, a signal cancels the (long) engine start, which then
     # stops the engine process instead of leaving it behind.
@@ -260,7 +328,7 @@ async def run_server(config: EngineConfig, args) -> None:
     for sig in uvicorn.server.HANDLED_SIGNALS:
         loop.add_signal_handler(sig, main.cancel)
     try:
-        client = await AsyncLLM.from_engine_config(config)
+        return await AsyncLLM.from_engine_config(config)
     except (RuntimeError, TimeoutError) as e:  # the engine died or hung while starting
         raise SystemExit(f"minicore: the engine did not start: {e}") from None
     except asyncio.CancelledError:
@@ -274,28 +342,11 @@ async def run_server(config: EngineConfig, args) -> None:
         for sig in uvicorn.server.HANDLED_SIGNALS:
             loop.remove_signal_handler(sig)
         exit_zero_after_shutdown_signals()
-    try:
-        model_names = args.served_model_name or [client.model_name]
-        num_engines = config.parallel_config.data_parallel_size
-        metrics = ServerMetrics(model_names[0], num_engines, lambda: client.latest_stats,
-                                prefix=args.metrics_prefix, config=config,
-                                num_blocks=client.num_blocks)
-        client.output_processor.on_new_tokens = metrics.on_new_tokens
-        client.output_processor.on_request_finished = metrics.on_request_finished
-        client.output_processor.on_iteration_end = metrics.on_iteration_end
-        serving = OpenAIServing(client, model_names, args.enable_prompt_tokens_details,
-                                args.trust_request_chat_template,
-                                args.return_tokens_as_token_ids)
-        app = build_app(client, serving, metrics, args.api_key, not args.disable_log_stats,
-                        args.enable_server_load_tracking)
-        server = ApiServer(uvicorn.Config(
-            app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-            log_config=uvicorn_log_config(args.uvicorn_log_level),
-            access_log=not args.disable_uvicorn_access_log,
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S), serving, loop)
-        logger.info("serving %s on http://%s:%d", ", ".join(model_names), args.host, args.port)
-        await server.serve()
-    finally:
-        # The lifespan has normally done this already; not when startup failed or on a forced exit.
-        with suppress(Exception):
-            await client.shutdown()
+
+
+def http_limits(args, max_model_len: int) -> HttpLimits:
+    """The serve flags' HTTP limits; without --max-request-body-bytes, BODY_BYTES_PER_TOKEN
+    bytes a token of the context, at least MIN_BODY_BYTES."""
+    body = args.max_request_body_bytes or max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len)
+    return HttpLimits(body, args.h11_max_incomplete_event_size, args.h11_max_header_count,
+                      args.timeout_keep_alive, args.timeout_request_read)

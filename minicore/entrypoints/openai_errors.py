@@ -14,7 +14,9 @@ from minicore.sampling_checks import check_text
 
 # Error types named after the openai SDK's exception classes, as vLLM names them.
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               500: "InternalServerError", 503: "ServiceUnavailableError"}
+               500: "InternalServerError", 503: "ServiceUnavailableError",
+               # No SDK class: the HTTP phrases, written out since Python renames some.
+               413: "RequestEntityTooLargeError", 431: "RequestHeaderFieldsTooLargeError"}
 
 
 class ErrorInfo(msgspec.Struct):

@@ -63,7 +63,8 @@ class OpenAIServing(OpenAIServingBase):
         max_tokens = 1 if request.echo_without_generation else request.max_tokens
         params = self.sampling_params(request, max_tokens)
         response_id = f"cmpl-{random_uuid()}"
-        choices = self._make_choices(response_id, prompts, params, request, "prompt", rank_header)
+        choices = await self._make_choices(response_id, prompts, params, request, "prompt",
+                                           rank_header)
         model = request.model or self.model_names[0]
         if request.stream:
             return self._completion_stream(request, response_id, model, choices)
@@ -156,8 +157,8 @@ class OpenAIServing(OpenAIServingBase):
         conversation, text = self.render_chat(request)
         params = self.sampling_params(request, request.requested_max_tokens)
         response_id = f"chatcmpl-{random_uuid()}"
-        choices = self._make_choices(response_id, [text], params, request, "messages",
-                                     rank_header)
+        choices = await self._make_choices(response_id, [text], params, request, "messages",
+                                           rank_header)
         model = request.model or self.model_names[0]
         # vLLM's chat echo: the last message, when it is the assistant's, heads the answer.
         echo = (conversation[-1]["content"] if request.echo

@@ -9,7 +9,9 @@ is its own engine request; their outputs are merged as they arrive. A choice who
 ends early (client gone, server shutting down) is aborted in the engine and finishes as "abort".
 Chat prompts are rendered by chat_utils (vLLM's chat_utils); unset sampling fields take the
 generation config's defaults (ModelConfig.get_diff_sampling_param). A request's own chat_template
-needs --trust-request-chat-template, as in vLLM. The endpoints themselves are in serving.py.
+needs --trust-request-chat-template, as in vLLM. Text prompts are tokenized on one thread of
+their own (vLLM's tokenizer executor), off the event loop. The endpoints themselves are in
+serving.py.
 Left out: tools, guided decoding, beam search, multimodal content.
 """
 
@@ -18,6 +20,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -106,6 +109,11 @@ class OpenAIServingBase:
         self.shutting_down = False
         # Cleanup tasks run detached from the request (it may be cancelled); referenced until done.
         self._cleanups: set[asyncio.Task] = set()
+        # Prompts are tokenized on a thread of their own (vLLM's _tokenizer_executor), so that a
+        # long one does not stall the event loop, and every other client, meanwhile. One thread:
+        # an encode may reset the tokenizer's truncation settings, which another encode running
+        # at the same time would trip over.
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
 
     # ----------------------------------------------------------------------------- checks
 
@@ -116,11 +124,14 @@ class OpenAIServingBase:
         if model not in self.model_names:
             raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
 
-    def _check_request(self, request: SamplingRequest) -> None:
+    def _check_serving(self) -> None:
         if self.shutting_down:
             raise OpenAIError("the server is shutting down", 503)
         if self.client.errored:
             raise OpenAIError("the engine process is dead; the server cannot serve requests", 503)
+
+    def _check_request(self, request: SamplingRequest) -> None:
+        self._check_serving()
         self.check_model(request.model)
         request.check_unsupported()
         if ignored := request.ignored_fields():
@@ -133,20 +144,30 @@ class OpenAIServingBase:
             max_tokens = self.default_sampling_params.get("max_tokens")
         return request.to_sampling_params(max_tokens, self.default_sampling_params)
 
-    def tokenize(self, prompt: str | list[int], add_special_tokens: bool, param: str) -> list[int]:
-        """A prompt's token ids: text with the tokenizer (BOS as add_special_tokens says, vLLM's
-        default True for a prompt, False for chat), ids as they are."""
+    async def tokenize(self, prompt: str | list[int], add_special_tokens: bool,
+                       param: str) -> list[int]:
+        """A prompt's token ids: text encoded on the tokenizer thread, ids as they are."""
         if not isinstance(prompt, str):
             return list(prompt)
-        check_text_param(param, prompt)
-        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        return await self.on_tokenizer_thread(self.encode, prompt, add_special_tokens, param)
 
-    def _process_inputs(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                        request: SamplingRequest, rank: int | None,
-                        param: str) -> EngineCoreRequest:
+    def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """A text's token ids (BOS as add_special_tokens says, vLLM's default True for a prompt,
+        False for chat); a 400 naming param for text that is not valid Unicode. It takes as long
+        as the text is: call it on the tokenizer thread."""
+        check_text_param(param, text)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    async def on_tokenizer_thread(self, fn, *args):
+        """fn(*args), run on the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
+
+    async def _process_inputs(self, request_id: str, prompt: str | list[int],
+                              params: SamplingParams, request: SamplingRequest, rank: int | None,
+                              param: str) -> EngineCoreRequest:
         """The engine request for one prompt; param names the prompt's field in errors. The
         context length is checked first, as OpenAI words it (with the completion's tokens)."""
-        token_ids = self.tokenize(prompt, request.add_special_tokens, param)
+        token_ids = await self.tokenize(prompt, request.add_special_tokens, param)
         self._check_context_length(len(token_ids), params, param)
         try:
             return self.client.input_processor.process_inputs(
@@ -214,9 +235,9 @@ class OpenAIServingBase:
             return [prompt]
         return list(prompt)
 
-    def _make_choices(self, response_id: str, prompts: list[str | list[int]],
-                      params: SamplingParams, request: SamplingRequest, param: str,
-                      rank_header: str | None) -> list[Choice]:
+    async def _make_choices(self, response_id: str, prompts: list[str | list[int]],
+                            params: SamplingParams, request: SamplingRequest, param: str,
+                            rank_header: str | None) -> list[Choice]:
         """Check the X-data-parallel-rank header and build every prompt's engine request, then
         make n choices per prompt. Nothing reaches the engine until the choices are iterated."""
         rank = self._data_parallel_rank(rank_header)
@@ -225,9 +246,10 @@ class OpenAIServingBase:
             # prefill instance would hold for nobody) would be lost.
             raise OpenAIError("kv_transfer_params needs a single prompt and n=1", 400,
                               "kv_transfer_params")
-        engine_requests = [self._process_inputs(f"{response_id}-p{i}", prompt, params, request,
-                                                rank, param)
+        engine_requests = [await self._process_inputs(f"{response_id}-p{i}", prompt, params,
+                                                      request, rank, param)
                            for i, prompt in enumerate(prompts)]
+        self._check_serving()  # again: tokenizing took a while
         choices = []
         for prompt, engine_request in zip(prompts, engine_requests):
             ids = engine_request.prompt_token_ids

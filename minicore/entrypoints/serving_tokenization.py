@@ -3,6 +3,8 @@
 Mirrors vllm/entrypoints/openai/serving_tokenization.py, on OpenAIServing's tokenizer, model check
 and chat rendering (chat_template, chat_template_kwargs, continue_final_message as chat
 completions). add_special_tokens defaults as vLLM's: True for a prompt, False for messages.
+/tokenize runs on the tokenizer thread (OpenAIServing.on_tokenizer_thread): a long prompt is
+encoded off the event loop.
 Left out: tools in the chat template, return_token_strs, the tokenizer info endpoint.
 """
 
@@ -27,7 +29,7 @@ def tokenize(serving: OpenAIServing, request: TokenizeRequest) -> TokenizeRespon
         text, param = serving.render_chat(request)[1], "messages"
     if add_special_tokens is None:  # vLLM's defaults: a prompt's BOS as completions; chat's none
         add_special_tokens = request.messages is None
-    tokens = serving.tokenize(text, add_special_tokens, param)
+    tokens = serving.encode(text, add_special_tokens, param)
     return TokenizeResponse(len(tokens), serving.max_model_len, tokens)
 
 
