@@ -175,7 +175,9 @@ def test_serve_refuses_a_model_expert_parallelism_cannot_serve(tmp_path, model_t
 
     AutoConfig.for_model(model_type, **config_args).save_pretrained(tmp_path)
     with pytest.raises(SystemExit) as e:
-        cli.main(["serve", str(tmp_path), "-dp", str(dp), "--enable-expert-parallel"])
+        # --port 0: the port is bound before the model is looked at (vLLM's order).
+        cli.main(["serve", str(tmp_path), "-dp", str(dp), "--enable-expert-parallel",
+                  "--port", "0"])
     assert e.value.code == f"error: {message}"
 
 
