@@ -343,7 +343,7 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, stop finished requests, free their blocks; return the new tokens
-        per request. Outputs of requests aborted while the step ran are dropped."""
+        per request. Outputs of requests aborted since schedule() are dropped."""
         sampled_token_ids = model_runner_output.sampled_token_ids
         requests, check_stop = self.requests, self._check_stop
         outputs: list[EngineCoreOutput] = []
