@@ -25,14 +25,12 @@ import time
 
 import zmq
 import zmq.asyncio
-from torch.distributed import ProcessGroup
 
 from minicore.config import EngineConfig
 from minicore.dp.group import DPGroup
 from minicore.dp.wave import is_sync_step, runs_dummy_batch
 from minicore.engine.core_proc import HANDSHAKE_TIMEOUT_S, EngineCoreProc
-from minicore.model.expert_parallel import shard_experts
-from minicore.model.loader import resolve_device
+from minicore.model.expert_parallel import make_expert_sharder
 from minicore.model.registry import MODEL_RUNNERS, runner_info
 from minicore.protocol import EngineCoreRequestType
 
@@ -50,9 +48,7 @@ class DPEngineCoreProc(EngineCoreProc):
         self.dp_rank = engine_index
         self.balance = config.scheduler_config.balance_scheduling
         self.count_sync = config.scheduler_config.balance_count_sync
-        self.expert_parallel = config.parallel_config.enable_expert_parallel
         self.dp_group: DPGroup | None = None
-        self.ep_group: ProcessGroup | None = None
         self._monitor: zmq.Socket | None = None
         # Bound once: the balance gate's count sync after every step (none without the gate),
         # and, for a runner whose forwards report a step time, forwards kept in lockstep.
@@ -71,22 +67,15 @@ class DPEngineCoreProc(EngineCoreProc):
             f"--runner ({', '.join(f'{i} = {name}' for i, name in enumerate(runners))})":
                 runners.index(config.model_config.runner),
             "--balance-count-sync all-reduce-max": int(self.count_sync == "all-reduce-max"),
-            "--enable-expert-parallel": int(self.expert_parallel),
+            "--enable-expert-parallel": int(config.parallel_config.enable_expert_parallel),
         })
-        if self.expert_parallel:
-            self.ep_group = self.dp_group.new_expert_parallel_group(
-                resolve_device(config.model_config.device))
+        self._prepare_model = make_expert_sharder(
+            config, self.dp_group.new_expert_parallel_group, self.dp_rank)
 
     def _load_model(self, config: EngineConfig):
         model, tokenizer = super()._load_model(config)
-        if self.ep_group is not None:
-            # Before the runner exists: on CUDA its profiling forward already meets the peers.
-            info = shard_experts(model, self.ep_group)
-            logger.info("DP rank %d: experts %d-%d of %d in each of %d MoE layers (expert "
-                        "parallel, %d collectives per forward)", self.dp_rank,
-                        info.local_experts.start, info.local_experts.stop - 1, info.num_experts,
-                        info.num_moe_layers, info.collectives_per_forward)
-        return model, tokenizer
+        # Before the runner exists: on CUDA its profiling forward already meets the peers.
+        return self._prepare_model(model), tokenizer
 
     def close(self, fatal: bool) -> None:
         if self.dp_group is not None:

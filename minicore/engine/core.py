@@ -1,10 +1,10 @@
 """EngineCore: the scheduler and the model runner, driven one step at a time.
 
 Mirrors EngineCore in vllm/v1/engine/core.py: add_request, abort_requests, and step(),
-which schedules, runs the model and updates the scheduler with what it sampled. With a
-kv_transfer_config it builds the KV connector twice (vLLM: the scheduler's in Scheduler.__init__,
-the worker's in the model runner): the scheduler-side one goes to the Scheduler, the worker-side
-one gets the runner's KV cache and runs around each forward (minicore/kv_transfer/worker.py).
+which schedules, runs the model and updates the scheduler with what it sampled. A KV connector
+is bound once, by bind_kv_connectors (minicore/kv_transfer/worker.py): its scheduler side goes to
+the Scheduler, its worker side wraps the runner's forward; without one, the forward is the
+runner's own.
 It then keeps stepping while the scheduler holds blocks for a peer or waits for remote KV, even
 with nothing to compute (Scheduler.has_requests). Left out: the batch queue for pipeline
 parallelism, the executor layer (one in-process runner), structured output, sleep mode and LoRA
@@ -12,19 +12,16 @@ utilities.
 """
 
 import logging
-from collections.abc import Callable
-from functools import partial
 
 from minicore.config import EngineConfig
 from minicore.engine.input_processor import validate_prompt_token_ids, validate_sampling_params
-from minicore.kv_transfer.base import KVConnectorBase_V1, KVConnectorRole
-from minicore.kv_transfer.worker import execute_model_with_kv_connector
+from minicore.kv_transfer.base import KVConnectorBase_V1
+from minicore.kv_transfer.worker import bind_kv_connectors
 from minicore.model.registry import runner_info
 from minicore.model.runner_base import ModelRunnerInterface
 from minicore.protocol import EngineCoreOutput
 from minicore.request import Request, RequestStatus
-from minicore.scheduler import BalanceScheduler, Scheduler, SchedulerOutput
-from minicore.scheduler.output import ModelRunnerOutput
+from minicore.scheduler import BalanceScheduler, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -40,27 +37,9 @@ class EngineCore:
         # The one place num_blocks is set at run time: the runner has sized the KV cache.
         config.cache_config.num_blocks = self.model_runner.num_blocks
         _check_kv_cache_fits(config)
-        self.kv_connector: KVConnectorBase_V1 | None = None
-        scheduler_connector = None
-        # The runner's forward, or, with a KV connector, the forward wrapped in the connector's
-        # worker-side calls: chosen once, so that an engine without one pays nothing per step.
-        self.execute_model: Callable[[SchedulerOutput], ModelRunnerOutput] = (
-            self.model_runner.execute_model)
-        if config.kv_transfer_config is not None:
-            scheduler_connector, self.kv_connector = self._make_kv_connectors(config)
-            self.execute_model = partial(execute_model_with_kv_connector, self.model_runner,
-                                         self.kv_connector)
-        self.scheduler = make_scheduler(config, scheduler_connector)
-
-    def _make_kv_connectors(self, config: EngineConfig):
-        """(scheduler side, worker side) of the configured KV connector; the worker side is
-        given the runner's KV cache (the simulated runner has none)."""
-        from minicore.kv_transfer.factory import KVConnectorFactory
-
-        worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER)
-        if (kv_caches := getattr(self.model_runner, "kv_caches", None)) is not None:
-            worker.register_kv_caches(kv_caches)
-        return KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER), worker
+        self.kv_connectors = bind_kv_connectors(config, self.model_runner)
+        self.execute_model = self.kv_connectors.execute_model
+        self.scheduler = make_scheduler(config, self.kv_connectors.scheduler_side)
 
     def _make_model_runner(self, config: EngineConfig, model, tokenizer):
         runner_cls = self.runner_info.load_class()
@@ -107,9 +86,7 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        for connector in (self.kv_connector, self.scheduler.connector):
-            if connector is not None:
-                connector.shutdown()
+        self.kv_connectors.shutdown()
 
 
 def make_scheduler(config: EngineConfig, connector: KVConnectorBase_V1 | None = None) -> Scheduler:

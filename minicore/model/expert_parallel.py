@@ -34,6 +34,8 @@ quantized experts, and training (the collectives are not differentiable).
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +43,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
+
+from minicore.model.loader import resolve_device
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
 # Where transformers' configs keep the number of routed experts.
@@ -127,6 +133,30 @@ def shard_experts(model: nn.Module, group: ProcessGroup) -> ExpertParallelInfo:
             expert_map, group, counts)
     local = range(start, start + local_num_experts)
     return ExpertParallelInfo(ep_rank, ep_size, num_experts, local, len(blocks))
+
+
+def make_expert_sharder(config, new_group: Callable[[torch.device], ProcessGroup],
+                        rank: int) -> Callable[[nn.Module], nn.Module]:
+    """How a DP rank prepares its model, chosen once at startup: with --enable-expert-parallel,
+    the expert-parallel group is made now (new_group, by every rank at the same point of its
+    startup) and each MoE layer keeps this rank's experts; without, the model stays whole."""
+    if not config.parallel_config.enable_expert_parallel:
+        return _whole
+    group = new_group(resolve_device(config.model_config.device))
+
+    def shard(model: nn.Module) -> nn.Module:
+        info = shard_experts(model, group)
+        logger.info("DP rank %d: experts %d-%d of %d in each of %d MoE layers (expert parallel, "
+                    "%d collectives per forward)", rank, info.local_experts.start,
+                    info.local_experts.stop - 1, info.num_experts, info.num_moe_layers,
+                    info.collectives_per_forward)
+        return model
+
+    return shard
+
+
+def _whole(model: nn.Module) -> nn.Module:
+    return model
 
 
 class ExpertParallelExperts(nn.Module):

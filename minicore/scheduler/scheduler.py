@@ -82,7 +82,7 @@ class Scheduler:
         # Finished since the last schedule(); the next SchedulerOutput tells the runner.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
-        # The scheduler side of a KV connector, which the engine also shuts down.
+        # The scheduler side of a KV connector (None without one), held by its component.
         self.connector = connector
         self.remote_kv = NoRemoteKV() if connector is None else ConnectorRemoteKV(self, connector)
 

@@ -230,7 +230,7 @@ def test_the_prefill_side_frees_held_blocks_once_read():
                                     kv_transfer_params={"do_remote_decode": True}))
     engine.step()
     engine.step()  # the worker side now knows the request is held
-    engine.kv_connector.connector_worker.notify("r")
+    engine.kv_connectors.worker_side.connector_worker.notify("r")
     engine.step()
     assert not engine.scheduler.has_requests()
 
