@@ -16,6 +16,7 @@ from minicore.arg_utils import RUNTIME, flag, human_readable_int, human_readable
 from minicore.kv_transfer.config import KVTransferConfig
 from minicore.model.config import ModelConfig
 from minicore.model.registry import MODEL_RUNNERS, runner_info
+from minicore.spec_decode.config import SpeculativeConfig
 
 BalanceThreshold = Literal["full", "one-short"]
 BalanceCountSync = Literal["all-gather", "all-reduce-max"]
@@ -174,6 +175,7 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     # Prefill/decode disaggregation's settings, kept in their own record (vLLM: VllmConfig's).
     kv_transfer_config: KVTransferConfig | None = None
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self):
         if self.scheduler_config.balance_scheduling and self.parallel_config.data_parallel_size < 2:
@@ -185,6 +187,9 @@ class EngineConfig:
             able = " or ".join(n for n, i in MODEL_RUNNERS.items() if i.supports_expert_parallel)
             raise ValueError(f"the {runner} runner has no experts to shard: "
                              f"--enable-expert-parallel needs --runner {able}")
+        if self.speculative_config is not None and not runner_info(runner).has_logits:
+            raise ValueError(f"the {runner} runner has no model to verify drafts against: "
+                             "--speculative-config needs --runner transformers")
 
 
 # EngineConfig's sub-configs, with the titles of their flags' --help groups.
@@ -200,6 +205,8 @@ def create_engine_config(**kwargs) -> EngineConfig:
     if "scheduling_policy" in kwargs:
         kwargs["policy"] = kwargs.pop("scheduling_policy")
     parts = {"kv_transfer_config": kwargs.pop("kv_transfer_config", None)}
+    if (speculative := kwargs.pop("speculative_config", None)) is not None:
+        parts["speculative_config"] = SpeculativeConfig.from_json(speculative)
     for name, cls, _ in SUB_CONFIGS:
         names = {f.name for f in fields(cls)}
         parts[name] = cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})

@@ -29,6 +29,7 @@ from typing import Any
 import msgspec
 
 from minicore.sampling_params import SamplingParams
+from minicore.spec_decode.metrics import SpecDecodingStats
 
 
 class FinishReason(enum.IntEnum):
@@ -89,6 +90,10 @@ class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
     # The token's own rank in the whole vocabulary (1 = the most likely).
     sampled_token_ranks: list[int]
 
+    def slice(self, start: int, end: int | None = None) -> "LogprobsLists":
+        return LogprobsLists(self.logprob_token_ids[start:end], self.logprobs[start:end],
+                             self.sampled_token_ranks[start:end])
+
 
 class EngineCoreEventType(enum.IntEnum):
     """The type of a request's engine event (vllm/v1/engine/__init__.py)."""
@@ -144,6 +149,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # Of num_waiting_reqs, those parked while a KV connector loads their KV (vLLM counts them
     # apart, as num_skipped_waiting_reqs: num_requests_waiting_by_reason{reason="deferred"}).
     num_deferred_waiting_reqs: int = 0
+    # None without speculative decoding.
+    spec_decoding_stats: SpecDecodingStats | None = None
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

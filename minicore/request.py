@@ -2,7 +2,7 @@
 
 Mirrors vllm/v1/request.py (Request, RequestStatus); FinishReason is a wire record, in
 minicore/protocol.py as in vllm/v1/engine/__init__.py.
-Left out: multimodal inputs, LoRA, structured output, speculative tokens.
+Left out: multimodal inputs, LoRA, structured output.
 """
 
 import enum
@@ -49,7 +49,7 @@ class Request:
                  "all_token_ids", "output_token_ids", "num_prompt_tokens", "num_tokens",
                  "num_computed_tokens",
                  "num_cached_tokens", "num_preemptions", "block_hashes", "kv_transfer_params",
-                 "events", "num_prompt_logprobs_sent")
+                 "events", "num_prompt_logprobs_sent", "spec_token_ids")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_id: int | None = None,
@@ -87,6 +87,9 @@ class Request:
         # QUEUED / SCHEDULED / PREEMPTED events the scheduler records, until the request's next
         # output takes them (vLLM: record_event, take_events).
         self.events: list[EngineCoreEvent] = []
+        # Draft tokens to verify after the newest one (speculative decoding), set by the drafter
+        # after a step and scheduled (then cleared) by the next.
+        self.spec_token_ids: list[int] = []
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest) -> "Request":
@@ -102,6 +105,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """The tokens the scheduler lets num_computed_tokens catch up with: the known ones and the
+        drafts after them."""
+        return self.num_tokens + len(self.spec_token_ids)
 
     @property
     def max_tokens(self) -> int | None:

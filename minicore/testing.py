@@ -12,9 +12,12 @@ BalanceScheduler subclass) can be tested without vLLM, a model or a device:
 The fake model follows vLLM's runner: after schedule(), a scheduled request samples one token iff
 all its known tokens are computed (a request mid-prefill samples nothing: []). By default it
 samples FAKE_TOKEN_BASE + its number of outputs so far; a script chooses tokens instead (see
-fake_model_output), e.g. an EOS or a stop id at a chosen step. Pure Python, like minicore.scheduler.
-Left out: logits, logprobs and the sampler's masking (min_tokens: script the tokens instead),
-speculative tokens, async scheduling (a test may call schedule() twice, then fake_model_output and
+fake_model_output), e.g. an EOS or a stop id at a chosen step. Draft tokens (speculative
+decoding) are given with propose(s, {"a": [7, 8]}), as a drafter would after a step; the fake model
+verifies them as a greedy runner does: a draft is accepted while it equals the token the model
+would sample there, and the first one that does not is replaced by that token. Pure Python, like
+minicore.scheduler. Left out: logits, logprobs and the sampler's masking (min_tokens: script the
+tokens instead), async scheduling (a test may call schedule() twice, then fake_model_output and
 update_from_output itself), the KV connector's worker side and the DP collectives (a test plays
 them: connector= goes to the scheduler, BalanceScheduler.balance_counts is assigned by hand).
 """
@@ -28,10 +31,10 @@ from minicore.protocol import EngineCoreOutput
 from minicore.request import Request
 from minicore.sampling_params import SamplingParams
 from minicore.scheduler import KVCacheBlock, Scheduler, SchedulerOutput
-from minicore.scheduler.output import ModelRunnerOutput
+from minicore.scheduler.output import DraftTokenIds, ModelRunnerOutput
 
 __all__ = ["FAKE_TOKEN_BASE", "Script", "Step", "block", "default_tokens", "fake_model_output",
-           "free_ids", "make_request", "make_scheduler", "num_free", "outputs_by_id",
+           "free_ids", "make_request", "make_scheduler", "num_free", "outputs_by_id", "propose",
            "run_until_finished", "step"]
 
 # Token ids the default fake model samples: far from any small EOS or stop id a test picks.
@@ -104,15 +107,22 @@ def default_tokens(req: Request) -> list[int]:
     return [FAKE_TOKEN_BASE + req.num_output_tokens]
 
 
-def _sample(req: Request, script: Script) -> list[int]:
+def _sample(req: Request, script: Script, drafts: Sequence[int] = ()) -> list[int]:
+    """The request's tokens this step: with drafts, those accepted and one more."""
     if callable(script):
         return list(script(req))
     planned = script.get(req.request_id) if script else None
-    if isinstance(planned, int):
-        return [planned]
-    if planned is not None and req.num_output_tokens < len(planned):
-        return [planned[req.num_output_tokens]]
-    return default_tokens(req)
+    tokens = []
+    for n in range(req.num_output_tokens, req.num_output_tokens + len(drafts) + 1):
+        if isinstance(planned, int) and n == req.num_output_tokens:
+            tokens.append(planned)
+        elif planned is not None and not isinstance(planned, int) and n < len(planned):
+            tokens.append(planned[n])
+        else:
+            tokens.append(FAKE_TOKEN_BASE + n)
+        if len(tokens) > len(drafts) or tokens[-1] != drafts[len(tokens) - 1]:
+            return tokens
+    return tokens
 
 
 def fake_model_output(s: Scheduler, out: SchedulerOutput,
@@ -120,12 +130,15 @@ def fake_model_output(s: Scheduler, out: SchedulerOutput,
     """What a model runner returns for out; call it right after the schedule() that made out.
 
     tokens is a Script: {"a": 2} makes a sample token 2 now, {"a": [5, 6, 2]} makes its first three
-    outputs 5, 6, 2. A request mid-prefill samples nothing ([]) whatever the script says."""
+    outputs 5, 6, 2. A request mid-prefill samples nothing ([]) whatever the script says; one
+    with drafts samples the drafts the script agrees with and one more token."""
     req_ids = list(out.num_scheduled_tokens)
+    drafts = out.scheduled_spec_decode_tokens
     sampled = []
     for rid in req_ids:
         req = s.requests[rid]
-        sampled.append([] if req.num_computed_tokens < req.num_tokens else _sample(req, tokens))
+        sampled.append([] if req.num_computed_tokens < req.num_tokens
+                       else _sample(req, tokens, drafts.get(rid, ())))
     return ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
@@ -174,6 +187,11 @@ def step(s: Scheduler, tokens: Script = None) -> Step:
         block_ids={rid: ids for rid in s.requests if (ids := kv.get_block_ids(rid))},
         out=out,
     )
+
+
+def propose(s: Scheduler, drafts: Mapping[str, list[int]]) -> None:
+    """Give requests draft tokens for their next step, as the drafter does after a step."""
+    s.update_draft_token_ids(DraftTokenIds(list(drafts), list(drafts.values())))
 
 
 def run_until_finished(s: Scheduler, tokens: Script = None, max_steps: int = 1000) -> list[Step]:

@@ -6,9 +6,10 @@ is bound once, by bind_kv_connectors (minicore/kv_transfer/worker.py): its sched
 the Scheduler, its worker side wraps the runner's forward; without one, the forward is the
 runner's own.
 It then keeps stepping while the scheduler holds blocks for a peer or waits for remote KV, even
-with nothing to compute (Scheduler.has_requests). Left out: the batch queue for pipeline
-parallelism, the executor layer (one in-process runner), structured output, sleep mode and LoRA
-utilities.
+with nothing to compute (Scheduler.has_requests). With --speculative-config a drafter
+(minicore/spec_decode/) proposes each request's draft tokens after the update, for the next step
+to verify. Left out: the batch queue for pipeline parallelism, the executor layer (one in-process
+runner), structured output, sleep mode and LoRA utilities.
 """
 
 import logging
@@ -22,6 +23,7 @@ from minicore.model.runner_base import ModelRunnerInterface
 from minicore.protocol import EngineCoreOutput
 from minicore.request import Request, RequestStatus
 from minicore.scheduler import BalanceScheduler, Scheduler
+from minicore.spec_decode import make_drafter
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,8 @@ class EngineCore:
         self.kv_connectors = bind_kv_connectors(config, self.model_runner)
         self.execute_model = self.kv_connectors.execute_model
         self.scheduler = make_scheduler(config, self.kv_connectors.scheduler_side)
+        # Proposes each request's drafts after a step (NoDrafter without --speculative-config).
+        self.drafter = make_drafter(config)
 
     def _make_model_runner(self, config: EngineConfig, model, tokenizer):
         runner_cls = self.runner_info.load_class()
@@ -77,6 +81,7 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         model_output = self.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        self.drafter.propose(self.scheduler, scheduler_output)
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
     def execute_dummy_batch(self) -> None:
@@ -92,8 +97,10 @@ class EngineCore:
 def make_scheduler(config: EngineConfig, connector: KVConnectorBase_V1 | None = None) -> Scheduler:
     if config.scheduler_config.balance_scheduling:
         return BalanceScheduler(config.scheduler_config, config.cache_config,
-                                config.parallel_config.data_parallel_size, connector)
-    return Scheduler(config.scheduler_config, config.cache_config, connector)
+                                config.parallel_config.data_parallel_size, connector,
+                                config.speculative_config)
+    return Scheduler(config.scheduler_config, config.cache_config, connector,
+                     config.speculative_config)
 
 
 def _check_kv_cache_fits(config: EngineConfig) -> None:

@@ -23,8 +23,8 @@ from minicore.scheduler.scheduler import Scheduler
 
 class BalanceScheduler(Scheduler):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 dp_size: int = 1, connector=None):
-        super().__init__(scheduler_config, cache_config, connector)
+                 dp_size: int = 1, connector=None, speculative_config=None):
+        super().__init__(scheduler_config, cache_config, connector, speculative_config)
         # len(running) of every DP rank after the previous step, assigned as a plain list by the
         # DP group (or by hand in tests). Only its maximum is read, so the DP group may assign
         # just [maximum] (--balance-count-sync all-reduce-max).

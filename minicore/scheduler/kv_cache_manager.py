@@ -2,7 +2,8 @@
 
 Mirrors vllm/v1/core/kv_cache_manager.py together with the single full-attention case of
 vllm/v1/core/single_type_kv_cache_manager.py. Left out: hybrid models (several KV cache groups),
-sliding windows, lookahead slots for speculative decoding and KV events.
+sliding windows, lookahead slots for speculative decoding (vLLM's are for EAGLE-style proposers
+only) and KV events.
 """
 
 from dataclasses import dataclass, field
@@ -118,6 +119,8 @@ class KVCacheManager:
                 new_blocks = KVCacheBlocks(self.block_pool.get_new_blocks(num_new_blocks))
                 blocks.extend(new_blocks.blocks)
             self.req_to_blocks[req_id] = blocks
+        # Draft tokens may be rejected: only blocks of known tokens are cached.
+        num_tokens = min(num_tokens, request.num_tokens)
         if (self.enable_caching and not delay_cache_blocks
                 and num_tokens // self.block_size > self.num_cached_block.get(req_id, 0)):
             self._cache_full_blocks(request, blocks, num_tokens)

@@ -22,7 +22,11 @@ def add_logprobs(outputs: list[EngineCoreOutput], requests: dict[str, Request],
         _add_prompt_logprobs(outputs, requests, scheduler_output, runner_output)
     if (logprobs := runner_output.logprobs) is not None:
         for output in outputs:
-            output.new_logprobs = logprobs.get(output.request_id)
+            # A stop inside a run of accepted drafts cut the tokens: cut their rows too.
+            if (rows := logprobs.get(output.request_id)) is not None:
+                num_tokens = len(output.new_token_ids)
+                output.new_logprobs = (rows if len(rows.sampled_token_ranks) == num_tokens
+                                       else rows.slice(0, num_tokens))
 
 
 def _add_prompt_logprobs(outputs: list[EngineCoreOutput], requests: dict[str, Request],
@@ -57,7 +61,4 @@ def take_new_prompt_logprobs(request: Request, chunk: LogprobsLists,
     if end <= request.num_prompt_logprobs_sent:
         return None
     request.num_prompt_logprobs_sent = end
-    if skip <= 0:
-        return chunk
-    return LogprobsLists(chunk.logprob_token_ids[skip:], chunk.logprobs[skip:],
-                         chunk.sampled_token_ranks[skip:])
+    return chunk if skip <= 0 else chunk.slice(skip)

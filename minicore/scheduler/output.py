@@ -4,7 +4,8 @@ and ModelRunnerOutput, what it sampled.
 Mirrors vllm/v1/core/sched/output.py, and ModelRunnerOutput and KVConnectorOutput from
 vllm/v1/outputs.py. As in vLLM's v2 model runner, a request resumed after
 preemption is sent as new (with all its token ids), so the runner keeps no state across a
-preemption. Left out: speculative tokens, encoder inputs.
+preemption. DraftTokenIds (vllm/v1/outputs.py) carries the drafter's proposals to the scheduler.
+Left out: encoder inputs.
 """
 
 from collections.abc import Sequence
@@ -59,6 +60,9 @@ class SchedulerOutput:
     # The KV connector's KVConnectorMetadata for its worker side (minicore/kv_transfer/base.py);
     # None without a connector.
     kv_connector_metadata: Any = None
+    # Per request with drafts this step, the draft tokens its scheduled run ends with (after its
+    # newest token); the runner verifies them.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -77,7 +81,7 @@ class ModelRunnerOutput:
     req_ids: list[str]
     req_id_to_index: dict[str, int]
     # One list per request in req_ids: the tokens it sampled this step, empty for a request that is
-    # still in the middle of a chunked prefill.
+    # still in the middle of a chunked prefill; with drafts, the accepted ones and one more.
     sampled_token_ids: list[list[int]]
     # Set only when the engine runs a KV connector.
     kv_connector_output: KVConnectorOutput | None = None
@@ -85,6 +89,13 @@ class ModelRunnerOutput:
     # sampled token) and the logprobs of this step's chunk of prompt positions.
     logprobs: dict[str, LogprobsLists] | None = None
     prompt_logprobs: dict[str, LogprobsLists] | None = None
+
+
+@dataclass(slots=True)
+class DraftTokenIds:
+    """The drafter's proposals after a step, one list per request (possibly empty)."""
+    req_ids: list[str]
+    draft_token_ids: list[list[int]]
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

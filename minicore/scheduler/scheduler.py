@@ -14,9 +14,10 @@ that was never written), and finish_requests frees in the order given (vLLM: set
 Features outside the core bind once, at construction, as components with do-nothing defaults,
 instead of being tested in every step: the scheduling policy (policies/: the waiting queue's order
 and the preemption victim), the KV connector of prefill/decode disaggregation (remote_kv.py:
-NoRemoteKV without one), BalanceScheduler's admission gate (balance.py), and the logprobs on the
-outputs (logprobs.py, one call per step).
-Left out: speculative decoding, encoders, LoRA, structured output, async scheduling.
+NoRemoteKV without one), BalanceScheduler's admission gate (balance.py), the logprobs on the
+outputs (logprobs.py, one call per step), and speculative decoding (spec_decode.py: a running
+request's drafts are scheduled as part of its tokens; rejected ones are taken back after the step).
+Left out: encoders, LoRA, structured output, async scheduling.
 """
 
 import time
@@ -30,15 +31,18 @@ from minicore.scheduler.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from minicore.scheduler.logprobs import add_logprobs
 from minicore.scheduler.output import (
     CachedRequestData,
+    DraftTokenIds,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
 from minicore.scheduler.policies import get_policy
 from minicore.scheduler.remote_kv import ConnectorRemoteKV, NoRemoteKV
+from minicore.scheduler.spec_decode import NoSpecDecode, SpecDecode
 
 if TYPE_CHECKING:
     from minicore.kv_transfer.base import KVConnectorBase_V1
+    from minicore.spec_decode.config import SpeculativeConfig
 
 RUNNING = RequestStatus.RUNNING
 # The statuses of the requests in the waiting queue (a parked one, WAITING_FOR_REMOTE_KVS, is not).
@@ -65,7 +69,8 @@ class _StepState:
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 connector: "KVConnectorBase_V1 | None" = None):
+                 connector: "KVConnectorBase_V1 | None" = None,
+                 speculative_config: "SpeculativeConfig | None" = None):
         if cache_config.num_blocks is None:
             raise ValueError("cache_config.num_blocks must be set before building a Scheduler")
         self.scheduler_config = scheduler_config
@@ -85,6 +90,8 @@ class Scheduler:
         # The scheduler side of a KV connector (None without one), held by its component.
         self.connector = connector
         self.remote_kv = NoRemoteKV() if connector is None else ConnectorRemoteKV(self, connector)
+        self.spec_decode = (NoSpecDecode() if speculative_config is None
+                            else SpecDecode(speculative_config.num_speculative_tokens))
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -157,7 +164,7 @@ class Scheduler:
         num_running, num_waiting = self.get_request_counts()
         return SchedulerStats(num_running, num_waiting, self.kv_cache_manager.usage,
                               stats.queries, stats.hits, self.num_preemptions,
-                              self.remote_kv.num_waiting_for_remote_kvs())
+                              self.remote_kv.num_waiting_for_remote_kvs(), self.spec_decode.stats)
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -169,6 +176,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.events.append(EngineCoreEvent(EngineCoreEventType.PREEMPTED, timestamp))
@@ -183,6 +191,8 @@ class Scheduler:
         step = _StepState(threshold if len(self.running) + len(self.waiting) > 1 else 0,
                           time.monotonic())
         token_budget = self._schedule_running(step, self.max_num_scheduled_tokens)
+        scheduled_drafts = self.spec_decode.take_scheduled_drafts(step.cached_reqs.req_ids,
+                                                                  self.requests)
         # A preemption means the KV cache is full: admitting now would only preempt again.
         if not step.preempted_reqs and not self._admission_gated():
             token_budget = self._schedule_waiting(step, token_budget)
@@ -193,6 +203,7 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_scheduled_tokens - token_budget,
             preempted_req_ids={r.request_id for r in step.preempted_reqs},
             finished_req_ids=self.finished_req_ids,
+            scheduled_spec_decode_tokens=scheduled_drafts,
         )
         self.finished_req_ids = set()
         output.kv_connector_metadata = self.remote_kv.build_connector_meta(output)
@@ -210,7 +221,7 @@ class Scheduler:
         req_index = 0
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
-            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             if num_new_tokens > token_budget:
@@ -319,6 +330,16 @@ class Scheduler:
         step.num_scheduled_tokens[request.request_id] = num_new_tokens
         return num_new_tokens
 
+    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
+        """The drafter's proposals for each request's next step (a request finished meanwhile is
+        skipped). Cut so that no scheduled position reaches max_model_len - 1: vLLM caps every
+        running request's tokens there in schedule(), which only drafts can reach."""
+        for req_id, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            request.spec_token_ids = drafts[:max(0, self.max_model_len - 1 - request.num_tokens)]
+
     # ---- after the forward ---------------------------------------------------------------------
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
@@ -346,6 +367,7 @@ class Scheduler:
         per request. Outputs of requests aborted since schedule() are dropped."""
         sampled_token_ids = model_runner_output.sampled_token_ids
         requests, check_stop = self.requests, self._check_stop
+        self.spec_decode.take_back_rejected(scheduler_output, model_runner_output, requests)
         outputs: list[EngineCoreOutput] = []
         finished: list[tuple[Request, RequestStatus, EngineCoreOutput]] = []
         for req_id, index in model_runner_output.req_id_to_index.items():

@@ -1,0 +1,61 @@
+"""The scheduler's side of speculative decoding: which drafts a step verifies, what came of them.
+
+Mirrors the draft-token parts of vllm/v1/core/sched/scheduler.py. schedule() gives a running
+request num_tokens_with_spec - num_computed_tokens tokens, its drafts included; after the running
+pass, take_scheduled_drafts reports the drafts the token budget let through
+(scheduled_spec_decode_tokens) and uses every scheduled request's drafts up. update_from_output
+first calls take_back_rejected: the runner returns the accepted drafts and one more token, so the
+rejected drafts' positions leave num_computed_tokens, and their KV slots are written again by the
+next step (allocate_slots never hashes a draft's block: only known tokens are cached). Bound once
+in Scheduler.__init__: without --speculative-config, NoSpecDecode does nothing at either point.
+Left out: lookahead slots, which vLLM allocates only for proposers that write KV past the drafts
+(EAGLE, MTP; num_lookahead_tokens is 0 for ngram), and the structured-output check of drafts.
+"""
+
+from minicore.request import Request
+from minicore.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from minicore.spec_decode.metrics import SpecDecodingStats
+
+
+class NoSpecDecode:
+    stats = None
+
+    def take_scheduled_drafts(self, req_ids: list[str],
+                              requests: dict[str, Request]) -> dict[str, list[int]]:
+        return {}
+
+    def take_back_rejected(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput, requests: dict[str, Request]) -> None:
+        pass
+
+
+class SpecDecode:
+    def __init__(self, num_spec_tokens: int):
+        self.stats = SpecDecodingStats.new(num_spec_tokens)
+
+    def take_scheduled_drafts(self, req_ids: list[str],
+                              requests: dict[str, Request]) -> dict[str, list[int]]:
+        """Per request of the running pass (req_ids) scheduled with drafts, those its tokens
+        reach: num_computed_tokens already counts this step's tokens, so the drafts scheduled are
+        the tokens past num_tokens."""
+        scheduled = {}
+        for req_id in req_ids:
+            request = requests[req_id]
+            if request.spec_token_ids:
+                if (num_scheduled := request.num_computed_tokens - request.num_tokens) > 0:
+                    scheduled[req_id] = request.spec_token_ids[:num_scheduled]
+                # The drafter proposes afresh after the step.
+                request.spec_token_ids = []
+        return scheduled
+
+    def take_back_rejected(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput, requests: dict[str, Request]) -> None:
+        """Lower each verified request's num_computed_tokens by its rejected drafts, and count
+        the acceptance (before any stop cuts the accepted run, as vLLM counts it)."""
+        index, sampled = runner_output.req_id_to_index, runner_output.sampled_token_ids
+        for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            if (request := requests.get(req_id)) is None or (row := index.get(req_id)) is None:
+                continue  # aborted while the step ran
+            num_accepted = len(sampled[row]) - 1
+            request.num_computed_tokens -= len(drafts) - num_accepted
+            self.stats.observe_draft(len(drafts), num_accepted)
