@@ -108,8 +108,7 @@ class Request:
 
     @property
     def num_tokens_with_spec(self) -> int:
-        """The tokens the scheduler lets num_computed_tokens catch up with: the known ones and the
-        drafts after them."""
+        """What num_computed_tokens catches up with: the known tokens and the drafts after them."""
         return self.num_tokens + len(self.spec_token_ids)
 
     @property

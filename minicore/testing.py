@@ -31,7 +31,8 @@ from minicore.protocol import EngineCoreOutput
 from minicore.request import Request
 from minicore.sampling_params import SamplingParams
 from minicore.scheduler import KVCacheBlock, Scheduler, SchedulerOutput
-from minicore.scheduler.output import DraftTokenIds, ModelRunnerOutput
+from minicore.scheduler.output import ModelRunnerOutput
+from minicore.scheduler.spec_decode import DraftTokenIds
 
 __all__ = ["FAKE_TOKEN_BASE", "Script", "Step", "block", "default_tokens", "fake_model_output",
            "free_ids", "make_request", "make_scheduler", "num_free", "outputs_by_id", "propose",

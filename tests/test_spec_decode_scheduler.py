@@ -6,7 +6,7 @@ The fake model of minicore.testing verifies drafts as a greedy runner does: it a
 while it equals the token it samples there (FAKE_TOKEN_BASE + the output's index by default)."""
 
 from minicore.request import RequestStatus
-from minicore.scheduler.output import DraftTokenIds
+from minicore.scheduler.spec_decode import DraftTokenIds
 from minicore.spec_decode.config import SpeculativeConfig
 from minicore.testing import (
     FAKE_TOKEN_BASE,

@@ -4,8 +4,7 @@ and ModelRunnerOutput, what it sampled.
 Mirrors vllm/v1/core/sched/output.py, and ModelRunnerOutput and KVConnectorOutput from
 vllm/v1/outputs.py. As in vLLM's v2 model runner, a request resumed after
 preemption is sent as new (with all its token ids), so the runner keeps no state across a
-preemption. DraftTokenIds (vllm/v1/outputs.py) carries the drafter's proposals to the scheduler.
-Left out: encoder inputs.
+preemption. Left out: encoder inputs.
 """
 
 from collections.abc import Sequence
@@ -89,13 +88,6 @@ class ModelRunnerOutput:
     # sampled token) and the logprobs of this step's chunk of prompt positions.
     logprobs: dict[str, LogprobsLists] | None = None
     prompt_logprobs: dict[str, LogprobsLists] | None = None
-
-
-@dataclass(slots=True)
-class DraftTokenIds:
-    """The drafter's proposals after a step, one list per request (possibly empty)."""
-    req_ids: list[str]
-    draft_token_ids: list[list[int]]
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

@@ -31,14 +31,13 @@ from minicore.scheduler.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from minicore.scheduler.logprobs import add_logprobs
 from minicore.scheduler.output import (
     CachedRequestData,
-    DraftTokenIds,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
 from minicore.scheduler.policies import get_policy
 from minicore.scheduler.remote_kv import ConnectorRemoteKV, NoRemoteKV
-from minicore.scheduler.spec_decode import NoSpecDecode, SpecDecode
+from minicore.scheduler.spec_decode import DraftTokenIds, NoSpecDecode, SpecDecode
 
 if TYPE_CHECKING:
     from minicore.kv_transfer.base import KVConnectorBase_V1
@@ -191,8 +190,6 @@ class Scheduler:
         step = _StepState(threshold if len(self.running) + len(self.waiting) > 1 else 0,
                           time.monotonic())
         token_budget = self._schedule_running(step, self.max_num_scheduled_tokens)
-        scheduled_drafts = self.spec_decode.take_scheduled_drafts(step.cached_reqs.req_ids,
-                                                                  self.requests)
         # A preemption means the KV cache is full: admitting now would only preempt again.
         if not step.preempted_reqs and not self._admission_gated():
             token_budget = self._schedule_waiting(step, token_budget)
@@ -203,7 +200,8 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_scheduled_tokens - token_budget,
             preempted_req_ids={r.request_id for r in step.preempted_reqs},
             finished_req_ids=self.finished_req_ids,
-            scheduled_spec_decode_tokens=scheduled_drafts,
+            scheduled_spec_decode_tokens=self.spec_decode.take_scheduled_drafts(
+                step.cached_reqs.req_ids, self.requests),
         )
         self.finished_req_ids = set()
         output.kv_connector_metadata = self.remote_kv.build_connector_meta(output)
@@ -335,10 +333,9 @@ class Scheduler:
         skipped). Cut so that no scheduled position reaches max_model_len - 1: vLLM caps every
         running request's tokens there in schedule(), which only drafts can reach."""
         for req_id, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
-            request = self.requests.get(req_id)
-            if request is None or request.is_finished():
-                continue
-            request.spec_token_ids = drafts[:max(0, self.max_model_len - 1 - request.num_tokens)]
+            if (request := self.requests.get(req_id)) is not None and not request.is_finished():
+                room = max(0, self.max_model_len - 1 - request.num_tokens)
+                request.spec_token_ids = drafts[:room]
 
     # ---- after the forward ---------------------------------------------------------------------
 

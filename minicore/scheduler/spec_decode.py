@@ -8,13 +8,24 @@ first calls take_back_rejected: the runner returns the accepted drafts and one m
 rejected drafts' positions leave num_computed_tokens, and their KV slots are written again by the
 next step (allocate_slots never hashes a draft's block: only known tokens are cached). Bound once
 in Scheduler.__init__: without --speculative-config, NoSpecDecode does nothing at either point.
+DraftTokenIds carries the drafter's proposals to Scheduler.update_draft_token_ids.
 Left out: lookahead slots, which vLLM allocates only for proposers that write KV past the drafts
 (EAGLE, MTP; num_lookahead_tokens is 0 for ngram), and the structured-output check of drafts.
 """
 
+from dataclasses import dataclass
+
 from minicore.request import Request
 from minicore.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from minicore.spec_decode.metrics import SpecDecodingStats
+
+
+@dataclass(slots=True)
+class DraftTokenIds:
+    """The drafter's proposals after a step, one list per request, possibly empty (vLLM:
+    vllm/v1/outputs.py)."""
+    req_ids: list[str]
+    draft_token_ids: list[list[int]]
 
 
 class NoSpecDecode:
