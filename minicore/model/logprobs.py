@@ -4,11 +4,13 @@ asked.
 Mirrors the logprobs parts of vllm/v1/worker/gpu_model_runner.py (the InputBatch's num_logprobs
 and num_prompt_logprobs, kept as requests come and go, and _get_prompt_logprobs_dict, which drops a
 request from num_prompt_logprobs once its prompt is done) and of vllm/v1/sample/sampler.py (the
-sampled token's raw logprobs, which minicore/model/sampler.py gathers). A step of requests that
-asked for none costs an empty dict's loop. Left out: logprobs modes other than raw logprobs, and
-vLLM's in-place accumulation of prompt logprobs on the device.
+sampled token's raw logprobs, which minicore/model/sampler.py gathers; with speculative decoding,
+minicore/model/rejection_sampler.py's, one per accepted draft and one for the final token). A step
+of requests that asked for none costs an empty dict's loop. Left out: logprobs modes other than
+raw logprobs, and vLLM's in-place accumulation of prompt logprobs on the device.
 """
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -50,12 +52,15 @@ class LogprobsOutput:
                                                                     self.vocab_size)
 
     def add_sampled(self, tensors: LogprobsTensors | None, rows: list[int],
-                    output: ModelRunnerOutput) -> None:
-        """output.logprobs of the sampled rows (the batch rows of the sampler's rows, in order)
-        that asked; tensors: the sampler's, None when none did."""
+                    output: ModelRunnerOutput, num_tokens: list[int] | None = None) -> None:
+        """output.logprobs of the sampled rows (batch rows, in order) that asked; tensors: the
+        sampler's, None when none did, num_tokens[i] rows of it for rows[i] (its accepted drafts
+        and final token, with speculative decoding), one each by default."""
         if tensors is None:
             return
-        output.logprobs = {req_id: tensors.tolists([i], num) for i, row in enumerate(rows)
+        ends = list(itertools.accumulate(num_tokens or [1] * len(rows)))
+        output.logprobs = {req_id: tensors.tolists(range(first, last), num)
+                           for row, first, last in zip(rows, [0] + ends, ends)
                            if (num := self.num_logprobs.get(req_id := output.req_ids[row]))
                            is not None}
 

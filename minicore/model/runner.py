@@ -9,8 +9,10 @@ from the request states (SamplingMetadata.from_states; vLLM keeps it in its pers
 What is optional is chosen once, in __init__: how decode attention reads keys (on CPU per-request
 rows, minicore/model/decode_kv.py; else attention.py's gather) and the CPU linear layers; the
 logprobs a request asks for come from a component (minicore/model/logprobs.py) that knows which
-requests asked. Left out: CUDA graphs, persistent input batches, speculative decoding,
-pipeline/tensor parallelism.
+requests asked; with speculative decoding, the sampling step verifies each request's drafts
+(minicore/model/rejection_sampler.py), which the state update appends to its token ids as vLLM
+writes them into its input batch, so that packing and the sampling test take them as they are.
+Left out: CUDA graphs, persistent input batches, pipeline/tensor parallelism.
 """
 
 import logging
@@ -30,6 +32,7 @@ from minicore.model.cpu_memory import keep_freed_memory
 from minicore.model.decode_kv import DecodeKVBuffers
 from minicore.model.logprobs import LogprobsOutput
 from minicore.model.native import native_kernels
+from minicore.model.rejection_sampler import SpecDecodeSampler
 from minicore.model.runner_base import CachedRequestState, ModelRunnerBase
 from minicore.model.sampler import SamplingMetadata, sample
 from minicore.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -63,6 +66,7 @@ class ModelRunner(ModelRunnerBase):
         self.decode_attention = (DecodeKVBuffers(self.kv_caches, kernel=native_kernels())
                                  if self.device.type == "cpu" else GatheredDecode())
         self.logprobs = LogprobsOutput(self.vocab_size, self._logits)
+        self.sample_step = self._make_sample_step(config)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens)", self.num_blocks,
                     self.block_size, (self.num_blocks - 1) * self.block_size)
 
@@ -114,9 +118,22 @@ class ModelRunner(ModelRunnerBase):
     def _make_generator(self, seed: int | None) -> torch.Generator | None:
         return None if seed is None else torch.Generator(self.device).manual_seed(seed)
 
+    def _make_sample_step(self, config: EngineConfig):
+        """Chosen once: one token per sampling row, or, with speculative decoding, each row's
+        drafts verified and its accepted ones plus one token (rejection_sampler.py)."""
+        if config.speculative_config is None:
+            return self._sample
+        return SpecDecodeSampler(self.vocab_size, self.device, self._logits, self.logprobs)
+
     def _update_states(self, so: SchedulerOutput) -> None:
         super()._update_states(so)
         self.logprobs.update_states(so)
+        # A request's drafts follow its newest token in the scheduled run: as known tokens until
+        # the sample step replaces them with what it accepted.
+        for req_id, draft_token_ids in so.scheduled_spec_decode_tokens.items():
+            state = self.requests[req_id]
+            state.token_ids.extend(draft_token_ids)
+            state.spec_token_ids = draft_token_ids
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -144,7 +161,7 @@ class ModelRunner(ModelRunnerBase):
                                            self.kv_caches, decode_attention)
             hidden = self._forward(input_ids, meta)
             if sampling_rows:
-                self._sample(hidden, meta.query_start_loc_cpu, states, sampling_rows, output)
+                self.sample_step(hidden, meta.query_start_loc_cpu, states, sampling_rows, output)
             self.logprobs.add_prompt(hidden, meta.query_start_loc_cpu, states, computed, num_new,
                                      output)
         return output

@@ -9,7 +9,7 @@ CachedRequestState (vllm/v1/worker/gpu_input_batch.py). Pure Python, so the simu
 loads no torch. Left out: the persistent input batch and its reordering.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from minicore.sampling_params import SamplingParams
@@ -44,6 +44,9 @@ class CachedRequestState:
     eos_token_id: int | None = None
     # The real runner's torch.Generator for a seeded request.
     generator: Any = None
+    # This step's draft tokens (speculative decoding), which token_ids ends with until the
+    # rejection sampler puts the step's outputs in their place (vLLM: InputBatch.spec_token_ids).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def min_tokens_blocked_ids(self) -> list[int]:
         """The token ids it may not sample yet: EOS (unless ignored) and the stop ids, until it

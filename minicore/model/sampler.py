@@ -13,8 +13,9 @@ of probs / Exp(1) noise), which draws exactly from probs without a multinomial; 
 draws its noise from its own generator, so its tokens do not depend on the rest of the batch.
 SamplingMetadata.from_states builds a step's tensors from the request states (as mini-sglang's
 Sampler.prepare; vLLM keeps them in its persistent InputBatch, vllm/v1/worker/gpu_input_batch.py).
-Left out: logprobs modes other than raw_logprobs, logprob_token_ids, custom logits processors,
-speculative decoding, FlashInfer kernels.
+Speculative decoding's verification (minicore/model/rejection_sampler.py) reuses the stages and
+processed_probs. Left out: logprobs modes other than raw_logprobs, logprob_token_ids, custom logits
+processors, FlashInfer kernels.
 """
 
 from collections.abc import Sequence
@@ -277,13 +278,20 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     return SamplerOutput(sampled, gather_logprobs(raw_logprobs, meta.max_num_logprobs, sampled))
 
 
-def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+def processed_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The distribution a random row samples from, given its processed logits: temperature,
+    min_p, top-k/top-p, softmax. The rejection sampler (rejection_sampler.py) verifies drafts
+    against the same probabilities."""
     temperature = meta.temperature.clamp(min=1e-5).unsqueeze(1)
     logits = logits / temperature
     if meta.min_p is not None:
         logits = apply_min_p(logits, meta.min_p)
     logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-    probs = logits.softmax(dim=-1)
+    return logits.softmax(dim=-1)
+
+
+def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    probs = processed_probs(logits, meta)
     noise = torch.empty_like(probs).exponential_()
     for row, generator in meta.generators.items():
         noise[row].exponential_(generator=generator)
