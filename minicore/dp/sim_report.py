@@ -49,7 +49,8 @@ def add_simulate_args(parser: argparse.ArgumentParser) -> None:
     parser.epilog = f"vllm-ascend PR #5212's experiment: python -m minicore simulate {EXPERIMENT}"
     exclude = tuple(f.name for cls in (ModelConfig, SchedulerConfig, CacheConfig, ParallelConfig)
                     for f in fields(cls) if f.name not in ENGINE_FLAGS)
-    engine = add_engine_cli_args(parser, exclude + ("model", "kv_transfer_config"))["scheduler"]
+    engine = add_engine_cli_args(
+        parser, exclude + ("model", "kv_transfer_config", "speculative_config"))["scheduler"]
     engine.add_argument("--max-model-len", type=int, default=None,
                         help="default: the longest request of the workload")
     engine.add_argument("--num-gpu-blocks-override", type=int, default=None,

@@ -3,8 +3,9 @@
 Mirrors EngineArgs.add_cli_args and EngineArgs.from_cli_args in vllm/engine/arg_utils.py: one
 flag per user-facing field of minicore/config.py's sub-configs, grouped by sub-config, with type,
 choices and default from the field and --help from its metadata, so every default is written once,
-in the records. --kv-transfer-config (prefill/decode disaggregation) is the one flag of a record
-outside the sub-configs. Left out: vLLM's EngineArgs dataclass (the flat keyword arguments go
+in the records. The records outside the sub-configs take one JSON flag each, as vLLM's:
+--kv-transfer-config (prefill/decode disaggregation) and --speculative-config (draft tokens,
+SpeculativeConfig.from_json). Left out: vLLM's EngineArgs dataclass (the flat keyword arguments go
 straight to create_engine_config), config files (--config), deprecation notices.
 """
 
@@ -17,12 +18,19 @@ from typing import Literal, get_args, get_origin
 from minicore.config import SUB_CONFIGS
 from minicore.kv_transfer.config import KVTransferConfig
 from minicore.scheduler.policies import get_policy, policy_names
+from minicore.spec_decode.config import SpeculativeConfig
 
 KV_TRANSFER_HELP = (
     "run a KV connector for prefill/decode disaggregation, as vLLM's flag: "
     '\'{"kv_connector": "NixlConnector", "kv_role": "kv_both"}\' (kv_role: kv_producer, '
     "kv_consumer or kv_both; kv_connector_extra_config: side_channel_host, side_channel_port, "
     "abort_request_timeout)")
+SPECULATIVE_HELP = (
+    "draft tokens for the model to verify in one forward, as vLLM's flag: "
+    '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, '
+    '"prompt_lookup_min": 2}\' (ngram: the tokens that followed the longest earlier match of a '
+    "request's last prompt_lookup_min..max tokens, default 5..5; disable_by_batch_size: no drafts "
+    "while that many requests run). ngram is the one method")
 
 
 def add_engine_cli_args(parser: argparse.ArgumentParser,
@@ -36,11 +44,11 @@ def add_engine_cli_args(parser: argparse.ArgumentParser,
     for f, title in _cli_fields(exclude):
         flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
         groups[title].add_argument(flag, *f.metadata.get("aliases", ()), **_flag_kwargs(f))
-    if "kv_transfer_config" not in exclude:
-        groups["KV transfer"] = parser.add_argument_group("KV transfer")
-        groups["KV transfer"].add_argument(
-            "--kv-transfer-config", dest="kv_transfer_config", default=None, metavar="JSON",
-            type=_json_dataclass(KVTransferConfig), help=KV_TRANSFER_HELP)
+    for name, title, parse, help in _record_flags():
+        if name not in exclude:
+            groups[title] = parser.add_argument_group(title)
+            groups[title].add_argument("--" + name.replace("_", "-"), dest=name, default=None,
+                                       metavar="JSON", type=parse, help=help)
     return groups
 
 
@@ -48,9 +56,26 @@ def engine_kwargs_from_cli(args: argparse.Namespace, exclude: tuple[str, ...] = 
     """create_engine_config's keyword arguments from a namespace parsed with the flags of
     add_engine_cli_args(parser, exclude) (vLLM: EngineArgs.from_cli_args)."""
     kwargs = {f.name: getattr(args, f.name) for f, _ in _cli_fields(exclude)}
-    if "kv_transfer_config" not in exclude:
-        kwargs["kv_transfer_config"] = args.kv_transfer_config
+    for name, *_ in _record_flags():
+        if name not in exclude:
+            kwargs[name] = getattr(args, name)
     return kwargs
+
+
+def _record_flags():
+    """(field of EngineConfig, --help group, flag type, help) of each record's JSON flag."""
+    return (("kv_transfer_config", "KV transfer", _json_dataclass(KVTransferConfig),
+             KV_TRANSFER_HELP),
+            ("speculative_config", "speculative decoding", _speculative_config, SPECULATIVE_HELP))
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    """--speculative-config's type: SpeculativeConfig.from_json, its ValueError as argparse's
+    error (which names the flag)."""
+    try:
+        return SpeculativeConfig.from_json(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _cli_fields(exclude: tuple[str, ...]):

@@ -80,9 +80,14 @@ class EngineCore:
             return [], False
         scheduler_output = self.scheduler.schedule()
         model_output = self.execute_model(scheduler_output)
+        outputs = self.update_from_output(scheduler_output, model_output)
+        return outputs, scheduler_output.total_num_scheduled_tokens > 0
+
+    def update_from_output(self, scheduler_output, model_output) -> list[EngineCoreOutput]:
+        """The scheduler's update, then the drafts of the next step (vLLM: post_step)."""
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         self.drafter.propose(self.scheduler, scheduler_output)
-        return outputs, scheduler_output.total_num_scheduled_tokens > 0
+        return outputs
 
     def execute_dummy_batch(self) -> None:
         self.model_runner.execute_dummy_batch()

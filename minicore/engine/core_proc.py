@@ -276,7 +276,7 @@ class EngineCoreProc(EngineCore):
         model_output = await self._run_forward(self.execute_model, scheduler_output)
         # Inputs that arrived during the forward wait for the next iteration, as in vLLM: an
         # ABORT X then ADD X applied here would hand the old X's token to the new X.
-        self._send(self.scheduler.update_from_output(scheduler_output, model_output))
+        self._send(self.update_from_output(scheduler_output, model_output))
         return scheduler_output.total_num_scheduled_tokens > 0
 
     async def _run_forward(self, fn, *args):

@@ -9,6 +9,8 @@ at scrape time) and the frontend's RequestState of each request (tokens, its Req
 with the engine's QUEUED/SCHEDULED events and frame timestamps), recorded by OutputProcessor's
 hooks as each engine frame is processed, as vLLM's IterationStats (so a slow reader does not skew
 them). Process and Python collectors (process_*, python_*) are on the registry, as on vLLM's.
+With --speculative-config, the spec_decode_* counters and the SpecDecoding line join them
+(spec_decode_metrics.py).
 
 The prefix (--metrics-prefix) is `vllm` by default, so vLLM's Grafana dashboard, aiperf's server
 metrics views and alerts written for vLLM read minicore unchanged; a fleet that scrapes both
@@ -21,7 +23,7 @@ histogram (as vLLM). request_params_n and request_max_num_generation_tokens are 
 engine request, and the server runs n choices as n engine requests with n=1: a request with n=4
 is four observations of n=1 (vLLM: one of n=4, with the longest choice's tokens).
 The prefix cache hit rate in the log line is since start (vLLM: over the last 1000 requests).
-Left out (nothing in minicore to measure): spec decoding, LoRA, multimodal cache, KV connector
+Left out (nothing in minicore to measure): LoRA, multimodal cache, KV connector
 transfer stats and external prefix cache, KV block residency (--kv-cache-metrics), NaN-corrupted
 and watermark requests, admission rejections (no queue limits), prompt tokens by source, perf
 (MFU) stats.
@@ -47,7 +49,13 @@ from prometheus_client.process_collector import ProcessCollector
 
 from minicore.config import CacheConfig, EngineConfig
 from minicore.engine.output_processor import RequestState
+from minicore.entrypoints.spec_decode_metrics import (
+    SpecDecodingLogging,
+    spec_decode_counters,
+    sum_spec_stats,
+)
 from minicore.protocol import FinishReason, SchedulerStats
+from minicore.spec_decode.metrics import SpecDecodingStats
 
 logger = logging.getLogger("minicore.stats")
 
@@ -146,10 +154,12 @@ COUNTERS = (
 
 class SchedulerStatsCollector:
     """A custom Prometheus collector over the engines' latest SchedulerStats, one series per
-    engine (no aggregate: sum() over engine is the total, as on vLLM)."""
+    engine (no aggregate: sum() over engine is the total, as on vLLM); the spec_decode_* counters
+    too when the engines draft num_spec_tokens tokens (0: no speculative decoding)."""
 
-    def __init__(self, prefix: str, model_name: str, stats: StatsSource):
+    def __init__(self, prefix: str, model_name: str, stats: StatsSource, num_spec_tokens: int = 0):
         self.prefix, self.model_name, self.stats = prefix, model_name, stats
+        self.num_spec_tokens = num_spec_tokens
 
     def collect(self):
         stats = [(str(engine), s) for engine, s in sorted(self.stats().items())]
@@ -169,13 +179,19 @@ class SchedulerStatsCollector:
                                  s.num_waiting_reqs - deferred)
             by_reason.add_metric([self.model_name, engine, "deferred"], deferred)
         yield by_reason
+        if self.num_spec_tokens:
+            zeros = SpecDecodingStats.new(self.num_spec_tokens)
+            yield from spec_decode_counters(self.prefix, self.model_name, LABELS, [
+                (engine, s.spec_decoding_stats or zeros) for engine, s in stats])
 
 
 def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
     """Several engines' stats as one (for the log line): sums, and the mean KV cache usage."""
     total = SchedulerStats(**{f: sum(getattr(s, f) for s in stats)
-                              for f in SchedulerStats.__struct_fields__})
+                              for f in SchedulerStats.__struct_fields__
+                              if f != "spec_decoding_stats"})
     total.kv_cache_usage /= len(stats)
+    total.spec_decoding_stats = sum_spec_stats(s.spec_decoding_stats for s in stats)
     return total
 
 
@@ -194,7 +210,9 @@ class ServerMetrics:
         ProcessCollector(registry=reg)
         PlatformCollector(registry=reg)
         GCCollector(registry=reg)
-        reg.register(SchedulerStatsCollector(prefix, model_name, stats))
+        speculative = config.speculative_config
+        reg.register(SchedulerStatsCollector(
+            prefix, model_name, stats, speculative.num_speculative_tokens if speculative else 0))
         self.model_name, self.num_engines = model_name, num_engines
 
         def per_engine(metric):
@@ -296,8 +314,9 @@ class ServerMetrics:
 
 
 class StatsLogger:
-    """vLLM's periodic line per engine: throughput since the last line, and the engine's state.
-    An idle engine logs once, then stays quiet until it has work again."""
+    """vLLM's periodic line per engine: throughput since the last line, and the engine's state,
+    then its SpecDecoding line when it verified drafts since the last line. An idle engine logs
+    once, then stays quiet until it has work again."""
 
     def __init__(self, metrics: ServerMetrics, stats: StatsSource):
         self.metrics, self.stats = metrics, stats
@@ -305,6 +324,7 @@ class StatsLogger:
         self.last_prompt = list(metrics.num_prompt_tokens)
         self.last_generation = list(metrics.num_generation_tokens)
         self.was_idle: dict[str, bool] = {}
+        self.spec_decoding_logging = SpecDecodingLogging()
 
     def log(self) -> None:
         """One line per engine, and with several engines one for all of them together."""
@@ -328,6 +348,7 @@ class StatsLogger:
                 "%.1f tokens/s, Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
                 "Prefix cache hit rate: %.1f%%", name, prompt / elapsed, generation / elapsed,
                 s.num_running_reqs, s.num_waiting_reqs, 100 * s.kv_cache_usage, 100 * hit_rate)
+            self.spec_decoding_logging.log(name, s.spec_decoding_stats, elapsed)
         self.last_time = now
         self.last_prompt = list(m.num_prompt_tokens)
         self.last_generation = list(m.num_generation_tokens)

@@ -2,7 +2,7 @@
 
 Mirrors SpecDecodingStats of vllm/v1/spec_decode/metrics.py; the Prometheus counters and the
 periodic log line that vLLM builds from them there (SpecDecodingProm, SpecDecodingLogging) are in
-minicore/entrypoints/metrics.py. A wire record (msgspec), sent inside SchedulerStats.
+minicore/entrypoints/spec_decode_metrics.py. A wire record (msgspec), sent inside SchedulerStats.
 """
 
 import msgspec

@@ -1,0 +1,64 @@
+"""Speculative decoding under data parallelism with expert parallelism: two engine processes
+sharing a tiny random MoE model's experts (tests/model/moe_models.py), each verifying ngram
+drafts, give exactly the greedy tokens of one in-process engine without drafts.
+
+Rank 0 runs three requests whose forwards carry different numbers of tokens from step to step
+(each request's drafts come and go), while rank 1 runs one shorter request and then only dummy
+forwards, which must still meet rank 0's in every MoE layer. The prompts repeat a short random
+phrase, so that the ngram drafter finds matches; the test checks that drafts were verified and
+some accepted on rank 0 (its SchedulerStats), so that it tests verification, not an idle drafter.
+"""
+
+import asyncio
+import random
+
+import pytest
+from dp_helpers import assert_all_engines_idle, dp_client, free_port_pair, wait_idle
+
+from minicore.config import create_engine_config
+from minicore.llm import LLM
+from minicore.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+ENGINE_ARGS = dict(max_model_len=256, kv_cache_memory=16 << 20)
+SPECULATIVE_CONFIG = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                      "prompt_lookup_min": 1}
+# (rank, phrase length, repeats, max_tokens)
+PLAN = [(0, 5, 4, 40), (0, 3, 6, 32), (0, 7, 2, 24), (1, 4, 3, 12)]
+TIMEOUT_S = 90
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+async def test_dp2_expert_parallel_with_ngram_drafts_gives_the_tokens_of_one_engine(
+        moe_model_dir):
+    model_dir = moe_model_dir("qwen3_moe")
+    reference_llm = LLM(model_dir, **ENGINE_ARGS)
+    vocab_size = reference_llm.llm_engine.model_runner.vocab_size
+    rng = random.Random(25)
+    prompts = [[rng.randrange(3, vocab_size) for _ in range(length)] * repeats
+               for _, length, repeats, _ in PLAN]
+    params = [greedy(max_tokens) for *_, max_tokens in PLAN]
+    reference = [o.outputs[0].token_ids
+                 for o in reference_llm.generate(prompts, params, use_tqdm=False)]
+    del reference_llm
+
+    config = create_engine_config(model=model_dir, data_parallel_size=2,
+                                  data_parallel_rpc_port=free_port_pair(),
+                                  enable_expert_parallel=True,
+                                  speculative_config=SPECULATIVE_CONFIG, **ENGINE_ARGS)
+    async with dp_client(config) as client:
+        async def run(i: int) -> list[int]:
+            outputs = [o async for o in client.generate(prompts[i], params[i], f"req-{i}",
+                                                        data_parallel_rank=PLAN[i][0])]
+            return outputs[-1].outputs[0].token_ids
+
+        got = await asyncio.wait_for(asyncio.gather(*map(run, range(len(PLAN)))), TIMEOUT_S)
+        await wait_idle(client)
+        await assert_all_engines_idle(client)
+        stats = client.latest_stats[0].spec_decoding_stats
+    assert got == reference
+    assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
