@@ -11,6 +11,9 @@ proxy` in front of one prefill and one decode `serve` process, NIXL between them
   the handshake times out): the decode request recomputes, its text unchanged, and nothing hangs;
   the restarted instance, on the same ports, is used again.
 - Every process exits 0 on SIGTERM.
+The decode instance verifies ngram drafts (--speculative-config), as a vLLM deployment's decode
+instances may: its greedy text must still be the one instance's, and it must have accepted some
+(the prompts repeat themselves); the prefill instance, which samples one token, drafts nothing.
 The three processes are shared by the module; only the kill tests restart the prefill instance.
 Every wait is bounded.
 """
@@ -46,6 +49,8 @@ HANDSHAKE_TIMEOUT_S = 2
 FREED_WITHIN_S = 10
 REQUEST_TIMEOUT_S = 90
 SIGTERM_EXIT_S = 20
+SPECULATIVE_CONFIG = json.dumps({"method": "ngram", "num_speculative_tokens": 3,
+                                 "prompt_lookup_max": 4, "prompt_lookup_min": 2})
 
 
 def kv_transfer_config(role: str, side_channel_port: int, **fields) -> str:
@@ -70,7 +75,8 @@ class Deployment:
         self.prefill_port, self.prefill_side_port = free_port(), free_port()
         self.prefill = self._prefill_process()
         self.decode = ServerProcess(*COMMON, "--kv-transfer-config",
-                                    kv_transfer_config("kv_consumer", free_port()))
+                                    kv_transfer_config("kv_consumer", free_port()),
+                                    "--speculative-config", SPECULATIVE_CONFIG)
         with ThreadPoolExecutor(2) as pool:  # the two model loads overlap
             list(pool.map(ServerProcess.__enter__, (self.prefill, self.decode)))
         self.proxy = ProxyProcess(self.prefill.url, self.decode.url).__enter__()
@@ -183,6 +189,13 @@ def test_completion_through_proxy_matches_one_instance(deployment, prompts, refe
     assert body["choices"][0]["text"] == reference[name]
     assert body["usage"]["prompt_tokens"] == len(prompts[name])
     assert_kv_freed(deployment)
+
+
+def test_the_decode_instance_accepts_drafts(deployment, prompts, reference):
+    d = deployment
+    accepted = metric(d.decode, d.model, "vllm:spec_decode_num_accepted_tokens_total")
+    assert complete(d.proxy.url, prompts["long"])["choices"][0]["text"] == reference["long"]
+    assert metric(d.decode, d.model, "vllm:spec_decode_num_accepted_tokens_total") > accepted
 
 
 def test_streamed_completion_and_chat_through_proxy(deployment, prompts, reference):
