@@ -11,12 +11,26 @@ tokens, finish and stop reasons and num_cached_tokens of the outputs, each live 
 token count, preemption count and blocks, the running and waiting queues, and the free block count.
 A trace stops at its first divergence.
 
+Speculative decoding (issue 25; --spec-decode [FRACTION]): that share of the traces builds both
+schedulers with an ngram speculative config of k = 1-5 drafts (vLLM's SpeculativeConfig needs no
+model for ngram) and, after every update, gives both the same drafts through
+update_draft_token_ids, for the requests of the step, as vLLM's runner does: up to k of the tokens
+the scripted model samples next, all right or wrong from a random position on, or none; mid-prefill
+requests get none but now and then some. The scripted model verifies as a greedy runner: it returns
+the drafts that equal its tokens and one more. The comparison adds scheduled_spec_decode_tokens to
+the schedule and the spec-decoding counters (num_drafts, num_draft_tokens, num_accepted_tokens,
+num_accepted_tokens_per_pos; vLLM's per-step SchedulerStats.spec_decoding_stats summed) to the
+state; num_computed_tokens after the update shows the rejected drafts taken back. A trace with
+drafts is the trace without them plus k and the drafts (drawn from streams of their own), so the
+default (no drafts) keeps the figures of earlier runs.
+
 Traces cover block sizes 1-32, max_model_len 32-1024, token budgets 8-4096, max_num_seqs 1-64,
 chunked prefill and prefix caching on and off, long_prefill_token_threshold 0-100, FCFS and
 priority, KV caches from "one longest request" to roomy, prompts of 1-600 tokens with shared
 prefixes, repeats and continuations (an earlier prompt and part of its output, extended),
-min_tokens, stop ids, ignore_eos, and aborts of one or several ids. A trace is named by (seed,
-index) and reproducible from them.
+min_tokens, stop ids, ignore_eos, aborts of one or several ids, and drafts cut by the budget, the
+long-prefill threshold and max_model_len, stops inside an accepted run, preemption with drafts
+pending. A trace is named by (seed, index) and reproducible from them.
 
 Divergence classes (issue 11). A divergence is put in a class by re-running its trace with vLLM made
 to behave like minicore in that one respect (a small patch on that one vLLM Scheduler instance): if
@@ -39,21 +53,33 @@ the re-run gets past the step of the first divergence, that class explains it.
   max_len_prompt  a prompt of exactly max_model_len tokens: vLLM's input processor refuses it,
                   and its scheduler, given one with chunked prefill, stalls at max_model_len - 1
                   computed tokens; minicore's scheduler finishes it. Deliberate.
-                                        (patch: vLLM's running pass keeps no slot for the sample)
+                                        (patch: vLLM's running pass keeps no slot for the sample
+                                         while such a prompt runs; drafts keep their cap)
+  prefill_drafts  drafts given for a request whose scheduled chunk left it mid-prefill: vLLM's
+                  update_draft_token_ids drops them (is_prefill_chunk); minicore's scheduled them
+                  after the prompt's last chunk.             (patch: vLLM keeps them)
+  pad             vLLM pads a waiting request admitted with one token to compute (a full prefix
+                  hit, a resumed request, a 1-token prompt beside running decodes) to 1 + k tokens
+                  with k placeholder drafts (-1, for a uniform CUDA-graph batch), and counts them
+                  in its spec-decoding stats; minicore schedules the one token.
+                                        (patch: vLLM does not pad)
 A divergence no single class explains is named by the first pair that does ("1+3"), else
 "combined" (all candidates together) or "unexplained". --allow CLASS,... runs every trace with
 those classes emulated from the start, so that what remains lies outside them: exact patches, not
 heuristics. Once minicore matches vLLM on a class, allowing it makes vLLM differ again: allow only
-what minicore still deviates on (5, 6, max_len_prompt). --by-class [CLASSES] takes those classes
-(default: all) as minicore's deviations and counts, for each, the traces that still diverge when
-vLLM emulates all the others: each class alone. The smallest example of each class found (not
-of pairs) is shrunk (fewer requests, steps and tokens, a smaller config) and printed as a Python
-snippet that drives minicore with minicore.testing, with what vLLM did instead.
+what minicore still deviates on (5, 6, max_len_prompt; with drafts, pad and prefill_drafts too).
+--by-class [CLASSES] takes those classes (default: all) as minicore's deviations and counts, for
+each, the traces that still diverge when vLLM emulates all the others: each class alone. The
+smallest example of each class found (not of pairs) is shrunk (fewer requests, steps and tokens, a
+smaller config) and printed as a Python snippet that drives minicore with minicore.testing, with
+what vLLM did instead.
 
 How to run (from the repository root, with minicore's own virtualenv):
     .venv/bin/python benchmarks/vllm_differential.py --setup    # once: ~2 min, 3.4 GB
     .venv/bin/python benchmarks/vllm_differential.py --traces 2000
     .venv/bin/python benchmarks/vllm_differential.py --traces 2000 --allow 5,6,max_len_prompt
+    .venv/bin/python benchmarks/vllm_differential.py --traces 2000 --spec-decode \
+        --by-class 5,6,max_len_prompt,pad,prefill_drafts
     .venv/bin/python benchmarks/vllm_differential.py --quick    # 100 traces, short shrinking
     .venv/bin/python benchmarks/vllm_differential.py --replay \
         benchmarks/results/vllm_differential_repro_3.json
@@ -64,7 +90,8 @@ torchcodec, which arrive as CUDA builds that break `import vllm`. A run re-execu
 that virtualenv's python with PYTHONHASHSEED=0 and imports minicore from this checkout (or
 --minicore-root); the scheduler needs only the standard library and msgspec. vLLM's Scheduler is
 built standalone as vLLM's tests/v1/core/utils.py create_scheduler does: a VllmConfig
-(SchedulerConfig, ModelConfig, CacheConfig) and a KVCacheConfig with one FullAttentionSpec group.
+(SchedulerConfig, ModelConfig, CacheConfig, with drafts an ngram SpeculativeConfig) and a
+KVCacheConfig with one FullAttentionSpec group.
 ModelConfig reads a local model directory: the tool copies the default model's config and
 tokenizer files, no weights, to ~/.cache/minicore/vllm-diff-model.
 
@@ -107,11 +134,12 @@ FILLER = 50
 TOKEN_RANGE = (1000, 60000)
 MAX_PROMPT = 600
 
-CLASSES = ("1", "2", "3", "4", "5", "6", "min_tokens", "max_len_prompt")
+CLASSES = ("1", "2", "3", "4", "5", "6", "min_tokens", "max_len_prompt", "prefill_drafts", "pad")
 # When several classes explain a divergence, the most specific is named first: a patch for a rare
 # situation (an abort of several ids, a priority victim) that removes the divergence is likelier
 # the cause than one that reorders every freed block.
-SPECIFIC_FIRST = ("max_len_prompt", "min_tokens", "6", "5", "2", "4", "3", "1")
+SPECIFIC_FIRST = ("max_len_prompt", "prefill_drafts", "min_tokens", "6", "5", "pad", "2", "4", "3",
+                  "1")
 CLASS_TEXT = {
     "1": "free-queue order of freed blocks without a hash (vLLM: front)",
     "2": "long_prefill_token_threshold with running + waiting <= 1 (vLLM: not applied)",
@@ -121,6 +149,8 @@ CLASS_TEXT = {
     "6": "finish_requests order with several ids (vLLM: set order; minicore deliberate)",
     "min_tokens": "stop before min_tokens (vLLM: check_stop ignores min_tokens)",
     "max_len_prompt": "prompt of exactly max_model_len (vLLM: refused; its scheduler stalls)",
+    "prefill_drafts": "drafts for a request mid-prefill (vLLM: ignored)",
+    "pad": "a waiting request with one token to compute (vLLM: padded with k placeholder drafts)",
     "combined": "explained only by several classes together",
     "unexplained": "no class explains it",
 }
@@ -236,7 +266,9 @@ def gen_request(rng, cfg, rid, step, docs, earlier) -> ReqSpec:
                    arrival=float(step))
 
 
-def gen_trace(seed: int, index: int, quick: bool = False) -> Trace:
+def gen_trace(seed: int, index: int, quick: bool = False, spec: float = 0.0) -> Trace:
+    """spec: the share of traces run with speculative decoding (k drafts a step at most, drawn
+    from a stream of its own: a trace with drafts is the trace without them, plus the drafts)."""
     rng = random.Random(f"minicore-vllm-differential:{seed}:{index}")
     cfg = gen_config(rng)
     if quick:
@@ -256,7 +288,31 @@ def gen_trace(seed: int, index: int, quick: bool = False) -> Trace:
             ids = rng.sample([r.rid for r in requests], rng.randint(1, min(3, len(requests))))
             aborts.append([rng.randint(0, horizon + 30), sorted(ids)])
         aborts.sort()
+    spec_rng = random.Random(f"minicore-vllm-differential-spec:{seed}:{index}")
+    if spec_rng.random() < spec:
+        cfg["num_speculative_tokens"] = spec_rng.randint(1, 5)
     return Trace(seed, index, cfg, requests, aborts)
+
+
+def scripted_drafts(trace: Trace, spec: ReqSpec, step: int, num_output_tokens: int,
+                    prefilling: bool) -> list[int] | None:
+    """What the drafter proposes for a request after step `step`: up to k of the tokens the
+    scripted model samples next, all right or wrong from a random position on; sometimes none. A
+    request mid-prefill gets none (None: not in the proposal), as from vLLM's ngram runner, except
+    now and then (vLLM's scheduler ignores those). A function of (trace, step, request)."""
+    rng = random.Random(f"minicore-vllm-differential-drafts:{trace.seed}:{trace.index}:{step}:"
+                        f"{spec.rid}")
+    if prefilling and rng.random() < 0.9:
+        return None
+    if rng.random() < 0.15:
+        return []
+    drafts = [scripted_token(spec, num_output_tokens + i)
+              for i in range(rng.randint(1, trace.cfg["num_speculative_tokens"]))]
+    if rng.random() < 0.5:
+        i = rng.randrange(len(drafts))
+        drafts[i] = rng.randrange(*TOKEN_RANGE)
+        drafts[i] += drafts[i] == scripted_token(spec, num_output_tokens + i)
+    return drafts
 
 
 def gen_config_fix(cfg: dict, fit_longest: bool = True) -> dict:
@@ -323,6 +379,12 @@ def _req_state(request, block_ids) -> dict:
             "block_ids": list(block_ids)}
 
 
+def _spec_stats(stats) -> dict:
+    return {"num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
+            "num_accepted_tokens": stats.num_accepted_tokens,
+            "num_accepted_tokens_per_pos": list(stats.num_accepted_tokens_per_pos)}
+
+
 def scripted_token(spec: ReqSpec, num_output_tokens: int) -> int:
     return spec.outputs[num_output_tokens] if num_output_tokens < len(spec.outputs) else FILLER
 
@@ -336,10 +398,14 @@ class MiniSide:
         from minicore.sampling_params import SamplingParams
         from minicore.scheduler import Scheduler
         from minicore.scheduler.output import ModelRunnerOutput
+        from minicore.scheduler.spec_decode import DraftTokenIds
+        from minicore.spec_decode.config import SpeculativeConfig
 
         self.m = SimpleNamespace(ModelRunnerOutput=ModelRunnerOutput, Request=Request,
-                                 RequestStatus=RequestStatus, SamplingParams=SamplingParams)
+                                 RequestStatus=RequestStatus, SamplingParams=SamplingParams,
+                                 DraftTokenIds=DraftTokenIds)
         self.priority = cfg["policy"] == "priority"
+        self.k = cfg.get("num_speculative_tokens", 0)
         self.s = Scheduler(
             SchedulerConfig(max_num_seqs=cfg["max_num_seqs"],
                             max_num_batched_tokens=cfg["max_num_batched_tokens"],
@@ -348,7 +414,9 @@ class MiniSide:
                             enable_chunked_prefill=cfg["enable_chunked_prefill"],
                             policy=cfg["policy"]),
             CacheConfig(block_size=cfg["block_size"], num_blocks=cfg["num_blocks"],
-                        enable_prefix_caching=cfg["enable_prefix_caching"]))
+                        enable_prefix_caching=cfg["enable_prefix_caching"]),
+            speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=self.k)
+            if self.k else None)
         self.seen_output: set[str] = set()
 
     def add(self, spec: ReqSpec) -> None:
@@ -373,20 +441,29 @@ class MiniSide:
             "preempted_req_ids": sorted(out.preempted_req_ids),
             "finished_req_ids": sorted(out.finished_req_ids),
             "total_num_scheduled_tokens": out.total_num_scheduled_tokens,
+            "scheduled_spec_decode_tokens": dict(out.scheduled_spec_decode_tokens),
         }
         return out, view
 
     def sampled(self, out, specs: dict) -> dict[str, list[int]]:
-        """What the scripted model samples this step: one token per request that has computed
-        all its tokens, none for one in the middle of a chunked prefill."""
+        """What the scripted model samples this step: for a request that has computed all its
+        tokens, its drafts while they equal the scripted tokens and one more (a greedy verifier);
+        none for one in the middle of a chunked prefill."""
         sampled = {}
         for rid in out.num_scheduled_tokens:
-            req = self.s.requests[rid]
+            req, tokens = self.s.requests[rid], []
             if req.num_computed_tokens >= req.num_tokens:
-                sampled[rid] = [scripted_token(specs[rid], req.num_output_tokens)]
-            else:
-                sampled[rid] = []
+                drafts = out.scheduled_spec_decode_tokens.get(rid, [])
+                for i in range(len(drafts) + 1):
+                    tokens.append(scripted_token(specs[rid], req.num_output_tokens + i))
+                    if i == len(drafts) or tokens[i] != drafts[i]:
+                        break
+            sampled[rid] = tokens
         return sampled
+
+    def propose(self, drafts: dict[str, list[int]]) -> None:
+        self.s.update_draft_token_ids(self.m.DraftTokenIds(
+            list(drafts), [list(d) for d in drafts.values()]))
 
     def update(self, out, sampled: dict[str, list[int]]) -> dict:
         ids = list(sampled)
@@ -411,7 +488,8 @@ class MiniSide:
             "running": [r.request_id for r in s.running],
             "waiting": sorted(waiting) if self.priority else waiting,
             "num_free_blocks": kv.block_pool.get_num_free_blocks(),
-        }
+        } | ({"spec_decoding_stats": _spec_stats(s.make_stats().spec_decoding_stats)}
+             if self.k else {})
 
     def has_unfinished(self) -> bool:
         return self.s.has_unfinished_requests()
@@ -426,6 +504,9 @@ class VllmSide:
         self.s = build_vllm_scheduler(cfg, v)
         self.hasher = v.get_request_block_hasher(cfg["block_size"], v.sha256)
         self.seen_output: set[str] = set()
+        # vLLM's spec-decoding stats are per step: summed here, to compare with minicore's.
+        self.k = cfg.get("num_speculative_tokens", 0)
+        self.spec_stats = v.SpecDecodingStats.new(self.k)
         for cls in emulate:
             VLLM_PATCHES[cls](self.s)
 
@@ -461,8 +542,13 @@ class VllmSide:
             "preempted_req_ids": sorted(out.preempted_req_ids),
             "finished_req_ids": sorted(out.finished_req_ids),
             "total_num_scheduled_tokens": out.total_num_scheduled_tokens,
+            "scheduled_spec_decode_tokens": dict(out.scheduled_spec_decode_tokens),
         }
         return out, view
+
+    def propose(self, drafts: dict[str, list[int]]) -> None:
+        self.s.update_draft_token_ids(self.v.DraftTokenIds(
+            list(drafts), [list(d) for d in drafts.values()]))
 
     def update(self, out, sampled: dict[str, list[int]]) -> dict:
         ids = list(sampled)
@@ -471,6 +557,13 @@ class VllmSide:
                                        sampled_token_ids=[list(sampled[rid]) for rid in ids])
         view = {}
         for outputs in self.s.update_from_output(out, mro).values():
+            if outputs.scheduler_stats and (step := outputs.scheduler_stats.spec_decoding_stats):
+                total = self.spec_stats
+                total.num_drafts += step.num_drafts
+                total.num_draft_tokens += step.num_draft_tokens
+                total.num_accepted_tokens += step.num_accepted_tokens
+                total.num_accepted_tokens_per_pos[:] = map(
+                    sum, zip(total.num_accepted_tokens_per_pos, step.num_accepted_tokens_per_pos))
             for o in outputs.outputs:
                 reason = o.finish_reason.name.lower() if o.finish_reason is not None else None
                 first = o.request_id not in self.seen_output
@@ -490,7 +583,7 @@ class VllmSide:
             "running": [r.request_id for r in s.running],
             "waiting": sorted(waiting) if self.priority else waiting,
             "num_free_blocks": kv.block_pool.get_num_free_blocks(),
-        }
+        } | ({"spec_decoding_stats": _spec_stats(self.spec_stats)} if self.k else {})
 
     def has_unfinished(self) -> bool:
         return bool(self.s.running) or bool(self.s.waiting) or bool(self.s.kv_holding_waiting)
@@ -505,14 +598,21 @@ def load_vllm(model_dir: str) -> SimpleNamespace:
 
     import torch
     import vllm
-    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import (
+        CacheConfig,
+        ModelConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+        VllmConfig,
+    )
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
     from vllm.v1.request import Request, RequestStatus
+    from vllm.v1.spec_decode.metrics import SpecDecodingStats
     from vllm.v1.structured_output import StructuredOutputManager
 
     logging.getLogger("vllm").setLevel(logging.ERROR)
@@ -526,11 +626,15 @@ def load_vllm(model_dir: str) -> SimpleNamespace:
         KVCacheGroupSpec=KVCacheGroupSpec, Scheduler=Scheduler,
         StructuredOutputManager=StructuredOutputManager, SamplingParams=SamplingParams,
         Request=Request, RequestStatus=RequestStatus, ModelRunnerOutput=ModelRunnerOutput,
-        sha256=sha256, get_request_block_hasher=get_request_block_hasher)
+        sha256=sha256, get_request_block_hasher=get_request_block_hasher,
+        SpeculativeConfig=SpeculativeConfig, DraftTokenIds=DraftTokenIds,
+        SpecDecodingStats=SpecDecodingStats)
 
 
 def build_vllm_scheduler(cfg: dict, v: SimpleNamespace):
-    """vLLM's Scheduler as its tests build it (tests/v1/core/utils.py create_scheduler)."""
+    """vLLM's Scheduler as its tests build it (tests/v1/core/utils.py create_scheduler). With
+    drafts, an ngram SpeculativeConfig: it needs no model of its own (its draft_model_config is the
+    target's)."""
     model_config = v.model_config
     model_config.max_model_len = cfg["max_model_len"]
     scheduler_config = v.SchedulerConfig(
@@ -541,8 +645,10 @@ def build_vllm_scheduler(cfg: dict, v: SimpleNamespace):
         async_scheduling=False)
     cache_config = v.CacheConfig(block_size=cfg["block_size"],
                                  enable_prefix_caching=cfg["enable_prefix_caching"])
+    speculative_config = (v.SpeculativeConfig(method="ngram", num_speculative_tokens=k)
+                          if (k := cfg.get("num_speculative_tokens")) else None)
     vllm_config = v.VllmConfig(scheduler_config=scheduler_config, model_config=model_config,
-                               cache_config=cache_config)
+                               cache_config=cache_config, speculative_config=speculative_config)
     spec = v.FullAttentionSpec(block_size=cfg["block_size"], num_kv_heads=1, head_size=1,
                                dtype=v.torch.float32)
     kv_cache_config = v.KVCacheConfig(num_blocks=cfg["num_blocks"], kv_cache_tensors=[],
@@ -657,14 +763,60 @@ def _patch_min_tokens_stop(sched) -> None:
 
 def _patch_last_slot(sched) -> None:
     """max_len_prompt: the running pass may schedule up to max_model_len tokens, not
-    max_model_len - 1 (the slot kept for the sampled token; no other use without spec decode)."""
-    sched.num_sampled_tokens_per_step = 0
+    max_model_len - 1 (the slot kept for the sampled token), while a prompt of max_model_len
+    tokens runs (no other request reaches it). Drafts keep their cap: in such a step they are cut
+    before schedule() as minicore cuts them, which equals vLLM's cap on them."""
+    schedule = sched.schedule
+
+    def patched(*args, **kwargs):
+        if any(r.num_tokens >= sched.max_model_len for r in sched.running):
+            sched.num_sampled_tokens_per_step = 0
+            for r in sched.running:
+                r.spec_token_ids = r.spec_token_ids[:max(0, sched.max_model_len - 1 - r.num_tokens)]
+        try:
+            return schedule(*args, **kwargs)
+        finally:
+            sched.num_sampled_tokens_per_step = 1
+    sched.schedule = patched
+
+
+def _patch_prefill_drafts(sched) -> None:
+    """prefill_drafts: update_draft_token_ids keeps the drafts of a request whose last chunk left
+    it mid-prefill (they are scheduled after its prompt's last chunk)."""
+    update = sched.update_draft_token_ids
+
+    def update_draft_token_ids(draft_token_ids):
+        chunks = [r for rid in draft_token_ids.req_ids
+                  if (r := sched.requests.get(rid)) is not None and r.is_prefill_chunk]
+        for request in chunks:
+            request.is_prefill_chunk = False
+        try:
+            update(draft_token_ids)
+        finally:
+            for request in chunks:
+                request.is_prefill_chunk = True
+    sched.update_draft_token_ids = update_draft_token_ids
+
+
+def _patch_no_padding(sched) -> None:
+    """pad: a waiting request with one token to compute is scheduled with that one token. Of
+    schedule(), only the padding reads num_spec_tokens (and an output field not compared)."""
+    schedule = sched.schedule
+
+    def patched(*args, **kwargs):
+        k, sched.num_spec_tokens = sched.num_spec_tokens, 0
+        try:
+            return schedule(*args, **kwargs)
+        finally:
+            sched.num_spec_tokens = k
+    sched.schedule = patched
 
 
 VLLM_PATCHES = {"1": _patch_free_queue_tail, "2": _patch_threshold_always,
                 "3": _patch_chunk_only_admission, "4": _patch_one_block_per_hash,
                 "5": _patch_uncache_unscheduled_victim, "6": _patch_finish_in_order,
-                "min_tokens": _patch_min_tokens_stop, "max_len_prompt": _patch_last_slot}
+                "min_tokens": _patch_min_tokens_stop, "max_len_prompt": _patch_last_slot,
+                "prefill_drafts": _patch_prefill_drafts, "pad": _patch_no_padding}
 
 
 # ---- lockstep run -------------------------------------------------------------------------------
@@ -682,6 +834,8 @@ class RunResult:
     steps: int
     divergence: Divergence | None = None
     stalled: bool = False
+    drafts: dict[int, dict] = field(default_factory=dict)  # step -> the drafts given after it
+    spec_stats: dict | None = None  # minicore's at the end, with drafts
 
 
 def _short(value, limit: int = 300) -> str:
@@ -746,6 +900,7 @@ def run_trace(trace: Trace, emulate: frozenset, v: SimpleNamespace, max_steps: i
     last_event = trace.last_event_step()
     limit = max_steps if max_steps is not None else last_event + 3000
     idle = n = 0
+    result = RunResult(0)
     try:
         for step in range(limit):
             n = step + 1
@@ -761,15 +916,28 @@ def run_trace(trace: Trace, emulate: frozenset, v: SimpleNamespace, max_steps: i
             sampled = mini.sampled(out_m, specs)
             _compare(n, "outputs", _call(n, "minicore", mini.update, out_m, sampled),
                      _call(n, "vllm", vl.update, out_v, sampled))
-            _compare(n, "state", mini.state(), vl.state())
+            state = mini.state()
+            _compare(n, "state", state, vl.state())
+            result.steps, result.spec_stats = n, state.get("spec_decoding_stats")
+            if mini.k:  # the drafter, after the update: for the requests of the step
+                drafts = {rid: d for rid in sampled if rid in mini.s.requests and
+                          (d := scripted_drafts(trace, specs[rid], n,
+                                                mini.s.requests[rid].num_output_tokens,
+                                                not sampled[rid])) is not None}
+                _call(n, "minicore", mini.propose, drafts)
+                _call(n, "vllm", vl.propose, drafts)
+                result.drafts[n] = drafts
             if step >= last_event and not mini.has_unfinished() and not vl.has_unfinished():
-                return RunResult(n)
+                return result
             idle = idle + 1 if not out_m.num_scheduled_tokens else 0
             if step >= last_event and idle >= stall_steps:
-                return RunResult(n, stalled=True)
+                result.stalled = True
+                return result
     except _Diverged as e:
-        return RunResult(n, e.divergence)
-    return RunResult(limit)
+        result.steps, result.divergence = n, e.divergence
+        return result
+    result.steps = limit
+    return result
 
 
 # ---- classification and shrinking ---------------------------------------------------------------
@@ -788,6 +956,8 @@ def candidate_classes(trace: Trace, emulate: frozenset, step: int) -> list[str]:
                                                for t in r.outputs[:r.min_tokens])
                           for r in trace.requests),
         "max_len_prompt": any(len(r.prompt) >= cfg["max_model_len"] for r in trace.requests),
+        "prefill_drafts": bool(cfg.get("num_speculative_tokens")),
+        "pad": bool(cfg.get("num_speculative_tokens")),
     }
     return [c for c in CLASSES if c not in emulate and applies[c]]
 
@@ -888,8 +1058,10 @@ def _config_candidates(trace: Trace):
                ("enable_chunked_prefill", False), ("long_prefill_token_threshold", 0),
                ("max_model_len", longest + 1)]
     for key in ("num_blocks", "max_num_seqs", "max_num_batched_tokens",
-                "long_prefill_token_threshold", "max_model_len", "block_size"):
-        lowered += [(key, cfg[key] // 2), (key, cfg[key] - 1)]
+                "long_prefill_token_threshold", "max_model_len", "block_size",
+                "num_speculative_tokens"):
+        if key in cfg:
+            lowered += [(key, cfg[key] // 2), (key, cfg[key] - 1)]
     for key, value in lowered:
         numeric = isinstance(value, int) and not isinstance(value, bool)
         if value == cfg[key] or (numeric and not
@@ -901,6 +1073,8 @@ def _config_candidates(trace: Trace):
         new = gen_config_fix(dict(cfg, **{key: value}), fit_longest=False)
         if new != cfg:
             yield _replace(trace, cfg=new)
+    if "num_speculative_tokens" in cfg:  # no drafts at all
+        yield _replace(trace, cfg={k: v for k, v in cfg.items() if k != "num_speculative_tokens"})
     yield from _shorter_max_model_len(trace)
 
 
@@ -984,10 +1158,13 @@ def class_predicate(cls: str, emulate: frozenset, v, max_steps: int):
 
 # ---- repro output -------------------------------------------------------------------------------
 
-def repro_snippet(trace: Trace, emulate: frozenset, div: Divergence, cls: str) -> str:
+def repro_snippet(trace: Trace, emulate: frozenset, div: Divergence, cls: str,
+                  drafts: dict[int, dict] | None = None) -> str:
     """A Python snippet that drives minicore through the trace with minicore.testing, up to
-    the divergence, with what vLLM did there in a comment."""
-    cfg = trace.cfg
+    the divergence, with what vLLM did there in a comment. drafts: what run_trace proposed after
+    each step (with speculative decoding)."""
+    cfg = dict(trace.cfg)
+    k = cfg.pop("num_speculative_tokens", 0)
     lines = [
         f"# Class {cls}: {CLASS_TEXT.get(cls, 'these classes together, neither alone')}",
         f"# Trace seed={trace.seed} index={trace.index}, shrunk; emulated in vLLM: "
@@ -996,15 +1173,26 @@ def repro_snippet(trace: Trace, emulate: frozenset, div: Divergence, cls: str) -
         f"#   minicore: {div.minicore}",
         f"#   vLLM:     {div.vllm}",
         "import sys; sys.path[:0] = ['.']",
-        "from minicore.testing import make_request, make_scheduler, step",
+        f"from minicore.testing import make_request, make_scheduler, {'propose, ' * bool(k)}step",
         "from minicore.request import RequestStatus",
         "s = make_scheduler(" + ", ".join(f"{k}={v!r}" for k, v in cfg.items()) + ")",
     ]
-    # At most one token a step, and never past max_tokens or max_model_len.
+    if k:
+        lines[-1:-1] = ["from minicore.spec_decode.config import SpeculativeConfig"]
+        lines[-1] = (lines[-1][:-1] + ",\n                   speculative_config=SpeculativeConfig("
+                     f"method='ngram', num_speculative_tokens={k}))")
+    # At most 1 + k tokens a step, and never past max_tokens or max_model_len (k more with drafts:
+    # a draft past them is verified all the same).
     tokens = {r.rid: [scripted_token(r, i) for i in
-                      range(min(r.max_tokens, cfg["max_model_len"], div.step - r.step))]
+                      range(min(min(r.max_tokens, cfg["max_model_len"]) + k,
+                                (div.step - r.step) * (k + 1)))]
               for r in trace.requests}
     lines.append(f"tokens = {tokens!r}  # what the fake model samples, per request")
+    call = "st = step(s, tokens)"
+    if k:
+        drafts = {n: d for n, d in (drafts or {}).items() if n < div.step and any(d.values())}
+        lines.append(f"drafts = {drafts!r}  # what the drafter proposes after step n")
+        call += "; propose(s, drafts.get(n, {}))"
     event_steps = {r.step for r in trace.requests} | {a[0] for a in trace.aborts}
     n = 0
     while n < div.step:
@@ -1016,13 +1204,16 @@ def repro_snippet(trace: Trace, emulate: frozenset, div: Divergence, cls: str) -
                 lines.append(f"s.finish_requests({ids!r}, RequestStatus.FINISHED_ABORTED)")
         quiet = next((m for m in range(n + 1, div.step) if m in event_steps), div.step) - n
         if quiet == 1:
-            lines.append(f"st = step(s, tokens)  # step {n + 1}")
+            lines.append(f"{f'n = {n + 1}; ' if k else ''}{call}  # step {n + 1}")
         else:
-            lines.append(f"for _ in range({quiet}):  # steps {n + 1}-{n + quiet}\n"
-                         f"    st = step(s, tokens)")
+            loop = f"n in range({n + 1}, {n + quiet + 1})" if k else f"_ in range({quiet})"
+            lines.append(f"for {loop}:  # steps {n + 1}-{n + quiet}\n    {call}")
         n += quiet
     lines.append("out, outputs = st.out, st.outputs")
     lines += SHOW.get(div.field.split("[")[0], [])
+    if k and div.field.split("[")[0] in ("schedule", "state"):
+        lines.append("print('drafts:', out.scheduled_spec_decode_tokens, "
+                     "s.make_stats().spec_decoding_stats)")
     return "\n".join(lines)
 
 
@@ -1068,7 +1259,7 @@ def replay(path: Path, emulate: frozenset, v) -> int:
         return 0
     classes = classify(trace, emulate, result.divergence, v)
     print(f"classes: {', '.join(classes)}")
-    print(repro_snippet(trace, emulate, result.divergence, classes[0]))
+    print(repro_snippet(trace, emulate, result.divergence, classes[0], result.drafts))
     return 1
 
 
@@ -1079,6 +1270,8 @@ class Summary:
     traces: int = 0
     steps: int = 0
     stalled: int = 0
+    spec_traces: int = 0  # traces with drafts, and minicore's spec-decoding counters over them
+    spec_stats: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     diverging: list[dict] = field(default_factory=list)  # one record per diverging trace
     repros: dict[str, dict] = field(default_factory=dict)
@@ -1098,10 +1291,15 @@ def run_all(args, v) -> int:
     summary = Summary(traces=args.traces)
     examples: dict[str, Trace] = {}
     for index in range(args.traces):
-        trace = gen_trace(args.seed, index, quick=args.quick)
+        trace = gen_trace(args.seed, index, quick=args.quick, spec=args.spec_decode)
         result = run_trace(trace, emulate, v)
         summary.steps += result.steps
         summary.stalled += result.stalled
+        summary.spec_traces += "num_speculative_tokens" in trace.cfg
+        if result.spec_stats is not None:
+            for key, value in result.spec_stats.items():
+                if not isinstance(value, list):
+                    summary.spec_stats[key] = summary.spec_stats.get(key, 0) + value
         if result.divergence is not None:
             div = result.divergence
             classes = classify(trace, emulate, div, v)
@@ -1134,7 +1332,7 @@ def leave_one_out(args, deviations: list[str], v) -> dict[str, dict]:
         emulate = base - {cls}
         ran = diverging = steps = 0
         for index in range(args.traces):
-            trace = gen_trace(args.seed, index, quick=args.quick)
+            trace = gen_trace(args.seed, index, quick=args.quick, spec=args.spec_decode)
             if cls != "none" and cls not in candidate_classes(trace, frozenset(), 10**9):
                 continue
             result = run_trace(trace, emulate, v)
@@ -1159,11 +1357,11 @@ def shrink_examples(examples: dict[str, Trace], emulate, args, v) -> dict:
             continue
         predicate = class_predicate(cls, emulate, v, max_steps=2 * first.step + 100)
         small, tries = shrink(examples[cls], predicate, args.shrink_seconds)
-        div = run_trace(small, emulate, v).divergence
-        if div is None:  # cannot happen with a deterministic run; keep going if it does
+        result = run_trace(small, emulate, v)
+        if (div := result.divergence) is None:  # cannot happen: the run is deterministic
             continue
         repros[cls] = dict(trace=asdict(small), emulate=sorted(emulate), divergence=asdict(div),
-                           snippet=repro_snippet(small, emulate, div, cls),
+                           snippet=repro_snippet(small, emulate, div, cls, result.drafts),
                            shrink_seconds=round(time.monotonic() - started, 1), shrink_tries=tries)
         out.parent.mkdir(parents=True, exist_ok=True)
         path = out.parent / f"{out.stem}_repro_{cls}.json"
@@ -1178,11 +1376,18 @@ def json_path(args) -> Path:
 def print_summary(args, summary: Summary) -> None:
     print(f"\nminicore Scheduler vs vLLM {VLLM_VERSION} v1 Scheduler: seed {args.seed}"
           f"{' (quick)' if args.quick else ''}, emulated in vLLM: "
-          f"{', '.join(args.allow) or 'nothing'}")
+          f"{', '.join(args.allow) or 'nothing'}"
+          f"{f', drafts in {args.spec_decode:.0%} of traces' if args.spec_decode else ''}")
     share = 100 * len(summary.diverging) / max(1, summary.traces)
     rows = [("traces run", summary.traces), ("steps compared", summary.steps),
             ("traces diverging", f"{len(summary.diverging)} ({share:.1f}%)"),
             ("traces stalled in both", summary.stalled), ("seconds", f"{summary.seconds:.0f}")]
+    if summary.spec_traces:  # minicore's counters, equal to vLLM's where no trace diverged
+        stats = summary.spec_stats
+        rows[3:3] = [("traces with drafts", summary.spec_traces),
+                     ("drafts verified", stats["num_drafts"]),
+                     ("draft tokens", stats["num_draft_tokens"]),
+                     ("accepted", stats["num_accepted_tokens"])]
     for name, value in rows:
         print(f"  {name:<24}{value:>12}")
     by_class, also = summary.by_class(), summary.explained_by_any()
@@ -1210,6 +1415,7 @@ def write_json(args, summary: Summary) -> None:
     path = json_path(args)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = dict(vllm_version=VLLM_VERSION, seed=args.seed, quick=args.quick, allow=args.allow,
+                spec_decode=args.spec_decode,
                 by_class=summary.by_class(), explained_by_any=summary.explained_by_any(),
                 **asdict(summary))
     path.write_text(json.dumps(data, indent=1))
@@ -1296,6 +1502,9 @@ def parse_args(argv: list[str]):
     p.add_argument("--seed", type=int, default=0, help="trace i is generated from (seed, i)")
     p.add_argument("--quick", action="store_true",
                    help="100 traces (unless --traces), max_model_len <= 256, short shrinking")
+    p.add_argument("--spec-decode", nargs="?", type=float, const=1.0, default=0.0,
+                   metavar="FRACTION", help="run this share of the traces (default with the flag:"
+                   " all) with speculative decoding: ngram, 1-5 drafts a step, scripted drafts")
     p.add_argument("--allow", default="", help="classes to emulate in vLLM from the start, "
                    f"comma-separated: {', '.join(CLASSES)}")
     p.add_argument("--no-shrink", action="store_true", help="skip shrinking the repros")

@@ -5,6 +5,8 @@ accepted run, drafts dropped on preemption, no draft ever cached, and the accept
 The fake model of minicore.testing verifies drafts as a greedy runner does: it accepts a draft
 while it equals the token it samples there (FAKE_TOKEN_BASE + the output's index by default)."""
 
+import pytest
+
 from minicore.request import RequestStatus
 from minicore.scheduler.spec_decode import DraftTokenIds
 from minicore.spec_decode.config import SpeculativeConfig
@@ -177,3 +179,22 @@ def test_without_speculative_config_nothing_is_drafted_or_counted():
     prefilled(s)
     assert step(s).out.scheduled_spec_decode_tokens == {}
     assert s.make_stats().spec_decoding_stats is None
+
+
+def test_a_request_still_prefilling_gets_no_drafts():
+    # A 5-token prompt in chunks of 4: after the first chunk one prompt token is left, as for a
+    # decoding request, but it sampled nothing (vLLM: is_prefill_chunk).
+    s = spec_scheduler(max_num_batched_tokens=4)
+    s.add_request(make_request("a", 5))
+    assert step(s).tokens == {}
+    propose(s, {"a": [7]})
+    assert s.requests["a"].spec_token_ids == []
+    st = step(s)
+    assert st.scheduled == {"a": 1} and st.tokens["a"] == [T]
+
+
+def test_drafts_need_a_scheduler_built_for_them():
+    s = make_scheduler()
+    prefilled(s)
+    with pytest.raises(ValueError, match="speculative_config"):
+        propose(s, {"a": [1]})

@@ -329,13 +329,8 @@ class Scheduler:
         return num_new_tokens
 
     def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
-        """The drafter's proposals for each request's next step (a request finished meanwhile is
-        skipped). Cut so that no scheduled position reaches max_model_len - 1: vLLM caps every
-        running request's tokens there in schedule(), which only drafts can reach."""
-        for req_id, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
-            if (request := self.requests.get(req_id)) is not None and not request.is_finished():
-                room = max(0, self.max_model_len - 1 - request.num_tokens)
-                request.spec_token_ids = drafts[:room]
+        """The drafter's proposals for each request's next step (spec_decode.py)."""
+        self.spec_decode.update_draft_token_ids(draft_token_ids, self.requests, self.max_model_len)
 
     # ---- after the forward ---------------------------------------------------------------------
 

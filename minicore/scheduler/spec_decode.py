@@ -39,10 +39,16 @@ class NoSpecDecode:
                            runner_output: ModelRunnerOutput, requests: dict[str, Request]) -> None:
         pass
 
+    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds,
+                               requests: dict[str, Request], max_model_len: int) -> None:
+        raise ValueError("draft tokens need a scheduler built with a speculative_config")
+
 
 class SpecDecode:
     def __init__(self, num_spec_tokens: int):
         self.stats = SpecDecodingStats.new(num_spec_tokens)
+        # The requests of the last step that sampled nothing: their chunk left them mid-prefill.
+        self.prefill_chunks: set[str] = set()
 
     def take_scheduled_drafts(self, req_ids: list[str],
                               requests: dict[str, Request]) -> dict[str, list[int]]:
@@ -64,9 +70,22 @@ class SpecDecode:
         """Lower each verified request's num_computed_tokens by its rejected drafts, and count
         the acceptance (before any stop cuts the accepted run, as vLLM counts it)."""
         index, sampled = runner_output.req_id_to_index, runner_output.sampled_token_ids
+        self.prefill_chunks = {req_id for req_id, row in index.items() if not sampled[row]}
         for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
             if (request := requests.get(req_id)) is None or (row := index.get(req_id)) is None:
                 continue  # aborted while the step ran
             num_accepted = len(sampled[row]) - 1
             request.num_computed_tokens -= len(drafts) - num_accepted
             self.stats.observe_draft(len(drafts), num_accepted)
+
+    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds,
+                               requests: dict[str, Request], max_model_len: int) -> None:
+        """Each request's drafts for its next step (one finished meanwhile is skipped). A request
+        still prefilling gets none (vLLM: is_prefill_chunk), and drafts are cut so that no
+        scheduled position reaches max_model_len - 1: vLLM caps every running request's tokens
+        there in schedule(), which only drafts can reach."""
+        for req_id, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
+            if (request := requests.get(req_id)) is None or request.is_finished():
+                continue
+            room = 0 if req_id in self.prefill_chunks else max_model_len - 1 - request.num_tokens
+            request.spec_token_ids = drafts[:max(0, room)]
