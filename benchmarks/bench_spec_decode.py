@@ -6,10 +6,11 @@ Workloads (greedy, chat-formatted prompts, the default model unless --model):
               concurrency 4 (four at a time).
   open        open-ended questions (nothing to copy) at concurrency 16: what drafts must not slow.
 For each workload and concurrency, the same requests run on an engine without drafts and on one
-with --speculative-config (in that order, then again in the other order when --repeat 2, to even
-out a drifting machine); reported: output tok/s of each, the ratio, whether the greedy tokens are
-equal request by request, the mean acceptance length (1 + accepted drafts per verifying step, as
-vLLM's log line) and the acceptance rate at each draft position. --moe also checks greedy equality
+with --speculative-config (after an untimed warm-up of each; in that order, then again in the
+other order, --repeat 2 by default, to even out a drifting machine); reported: output tok/s of
+each, the ratio, whether the greedy tokens are equal request by request, the mean acceptance
+length (1 + accepted drafts per verifying step, as vLLM's log line) and the acceptance rate at each
+draft position. --moe also checks greedy equality
 on a tiny random MoE model (tests/model/moe_models.py). The CPU model and flags are printed.
 
     python benchmarks/bench_spec_decode.py [--num-speculative-tokens 3] [--max-tokens 192] \
@@ -174,7 +175,7 @@ def main() -> None:
     ap.add_argument("--disable-by-batch-size", type=int, default=8,
                     help="the drafts' batch-size cut-off (0: drafts at every batch size)")
     ap.add_argument("--max-tokens", type=int, default=192)
-    ap.add_argument("--repeat", type=int, default=1, help="runs of each side, order alternated")
+    ap.add_argument("--repeat", type=int, default=2, help="runs of each side, order alternated")
     ap.add_argument("--moe", action="store_true", help="also check greedy equality on a tiny MoE")
     ap.add_argument("--json",
                     default=str(Path(__file__).parent / "results" / "bench_spec_decode.json"))
@@ -184,6 +185,9 @@ def main() -> None:
     plain = LLM(args.model, **engine_args)
     spec = LLM(args.model, **engine_args, speculative_config=spec_config(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    # A first generate of each engine pays for its first allocations and kernel setup: untimed.
+    for llm in (plain, spec):
+        run(llm, open_prompts(), 16, SamplingParams(max_tokens=16, temperature=0))
     rows = [measure(plain, spec, "repetitive", repetitive_prompts(), 1, params, args.repeat),
             measure(plain, spec, "repetitive", repetitive_prompts(), 4, params, args.repeat),
             measure(plain, spec, "open", open_prompts(), 16, params, args.repeat)]

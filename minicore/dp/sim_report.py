@@ -25,6 +25,7 @@ from minicore.dp.simulator import (
     make_random_workload,
 )
 from minicore.engine.arg_utils import add_engine_cli_args
+from minicore.spec_decode.metrics import SpecDecodingStats
 
 THRESHOLDS = ("full", "one-short")
 # The engine settings a simulated rank has; every other engine flag is left out.
@@ -72,14 +73,30 @@ def add_simulate_args(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--max-concurrency", type=int, default=None,
                       help="most requests in flight (with rate inf: a closed loop)")
     work.add_argument("--num-speculative-tokens", type=int, default=0,
-                      help="K: a decode step emits 1 + Binomial(K, acceptance rate) tokens")
-    work.add_argument("--acceptance-rate", type=float, default=0.7)
+                      help="K: draft tokens a decoding request is given each step")
+    work.add_argument("--acceptance-rate", type=parse_acceptance_rate, default=0.7,
+                      metavar="P or P0,P1,...",
+                      help="P: each draft accepted independently (a decode step emits 1 + "
+                           "Binomial(K, P) tokens); K rates: draft i accepted at rate i once "
+                           "drafts 0..i-1 were (the prefix rejection sampling keeps; from vLLM's "
+                           "per-position acceptance a_i, rate i = a_i / a_(i-1)). Default: 0.7")
     work.add_argument("--seed", type=int, default=0)
     cost = parser.add_argument_group("cost model (one rank's step; ranks wait for the slowest)")
     for f in fields(CostModel):
         cost.add_argument("--" + f.name.replace("_", "-"), type=float, default=f.default,
                           help=f"default: {f.default}")
     parser.add_argument("--result-file", default=None, help="write the results as JSON here")
+
+
+def parse_acceptance_rate(text: str) -> float | tuple[float, ...]:
+    """--acceptance-rate: "0.7" (a scalar) or "0.9,0.75,0.6" (per position); the range and the
+    count are checked by SimConfig."""
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a rate or comma-separated rates per draft position, got {text!r}") from None
+    return values[0] if len(values) == 1 else values
 
 
 def build_sim_config(args: argparse.Namespace, workload: list[SimRequest],
@@ -162,8 +179,21 @@ def run_variant(args: argparse.Namespace, threshold: str | None) -> dict:
               "max_concurrency": args.max_concurrency, **bench_result(requests),
               "simulation": {**step_summary(steps, requests, args.data_parallel_size),
                              "preemptions": simulator.num_preemptions,
+                             "spec_decoding": spec_summary(simulator.spec_decoding_stats()),
                              "wall_s": time.perf_counter() - start}}
     return result
+
+
+def spec_summary(stats: SpecDecodingStats | None) -> dict | None:
+    """vLLM's counters and the figures its SpecDecoding log line derives from them."""
+    if stats is None:
+        return None
+    drafts = max(stats.num_drafts, 1)
+    return {"num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
+            "num_accepted_tokens": stats.num_accepted_tokens,
+            "num_accepted_tokens_per_pos": stats.num_accepted_tokens_per_pos,
+            "mean_acceptance_length": 1 + stats.num_accepted_tokens / drafts,
+            "acceptance_per_position": [n / drafts for n in stats.num_accepted_tokens_per_pos]}
 
 
 def print_table(results: dict[str, dict]) -> None:
@@ -183,6 +213,10 @@ def print_table(results: dict[str, dict]) -> None:
     published = [b / a for a, b in zip(PUBLISHED["baseline"], PUBLISHED["balance"])]
     print(f"{'PR #5212 published':<22}" + "".join(f"{v:>11.3f}" for v in published)
           + "   (measured, DeepSeek-V3.1)")
+    if spec := results[names[0]]["simulation"]["spec_decoding"]:
+        per_pos = ", ".join(f"{a:.3f}" for a in spec["acceptance_per_position"])
+        print(f"{names[0]} drafts (simulated): mean acceptance length "
+              f"{spec['mean_acceptance_length']:.3f}, accepted per position {per_pos}")
 
 
 def simulate_main(args: argparse.Namespace) -> None:

@@ -10,14 +10,20 @@ all-to-alls make every rank wait for the others. A rank with nothing scheduled i
 runs a dummy step; a wave ends at the every-32-steps check that finds no rank with work: the
 engine's own rules, imported from minicore/dp/wave.py, as the gate is BalanceScheduler's own.
 
-The model emits made-up tokens: one when a prompt completes, and per decode step 1 +
-Binomial(K, P) with K speculative tokens accepted at rate P (vLLM's speculative decoding: the
-accepted drafts' KV was written in the step that verified them, so only the newest token is left
-to compute). Clients send requests all at once, at a Poisson rate, and at most max_concurrency at
-a time, as `vllm bench serve` does; a request goes to the rank with the lowest 4 * waiting +
-running, as DPCoordinator routes (minicore/dp/coordinator.py), here from the exact counts.
-Everything it reports is simulated. Left out: scheduling and IO overheads, the collectives' own
-cost, stop strings, aborts, priorities.
+The model emits made-up tokens: one when a prompt completes, and per decode step the accepted
+drafts and one more. With K speculative tokens each rank's scheduler runs vLLM's draft path
+(minicore/scheduler/spec_decode.py): after each update a made-up drafter gives every decoding
+request K drafts through update_draft_token_ids, as the engine's NgramProposer does
+(minicore/spec_decode/ngram_proposer.py), schedule() verifies them within the token budget, and
+update_from_output takes the rejected ones back. How many are accepted is drawn from one random
+stream a request (K draws a verifying step, so every variant sees the same counts): with a scalar
+rate P each draft independently (1 + Binomial(K, P) tokens a step), with K per-position rates the
+prefix rejection sampling keeps (draft i accepted at rate i once drafts 0..i-1 were). Clients
+send requests all at once, at a Poisson rate, and at most max_concurrency at a time, as `vllm
+bench serve` does; a request goes to the rank with the lowest 4 * waiting + running, as
+DPCoordinator routes (minicore/dp/coordinator.py), here from the exact counts. Everything it
+reports is simulated. Left out: scheduling and IO overheads, the collectives' own cost, stop
+strings, aborts, priorities, drafts that depend on the content (ngram finds none or a short one).
 """
 
 import random
@@ -25,11 +31,14 @@ from dataclasses import dataclass, field
 
 from minicore.config import CacheConfig, SchedulerConfig
 from minicore.dp.wave import is_sync_step, runs_dummy_batch
-from minicore.request import Request
+from minicore.request import Request, RequestStatus
 from minicore.sampling_params import SamplingParams
 from minicore.scheduler.balance import BalanceScheduler
 from minicore.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from minicore.scheduler.scheduler import Scheduler
+from minicore.scheduler.spec_decode import DraftTokenIds
+from minicore.spec_decode.config import SpeculativeConfig
+from minicore.spec_decode.metrics import SpecDecodingStats, sum_spec_stats
 
 
 @dataclass(slots=True)
@@ -88,7 +97,8 @@ class SimConfig:
     cache_config: CacheConfig
     cost: CostModel = field(default_factory=CostModel)
     num_speculative_tokens: int = 0
-    acceptance_rate: float = 0.0
+    # A scalar: each draft accepted independently; a tuple of K: per-position, as a prefix.
+    acceptance_rate: float | tuple[float, ...] = 0.0
     request_rate: float = float("inf")
     max_concurrency: int | None = None
     seed: int = 0
@@ -99,8 +109,8 @@ class SimConfig:
         if self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0, got "
                              f"{self.num_speculative_tokens}")
-        if not 0.0 <= self.acceptance_rate <= 1.0:
-            raise ValueError(f"acceptance_rate must be in [0, 1], got {self.acceptance_rate}")
+        self.acceptance_rate = check_acceptance_rate(self.acceptance_rate,
+                                                     self.num_speculative_tokens)
         if not self.request_rate > 0:
             raise ValueError("request_rate must be > 0 (inf: all at once), got "
                              f"{self.request_rate}")
@@ -115,6 +125,10 @@ class _Rank:
         self.index = index
         cls = BalanceScheduler if config.scheduler_config.balance_scheduling else Scheduler
         kwargs = {"dp_size": config.data_parallel_size} if cls is BalanceScheduler else {}
+        if config.num_speculative_tokens:
+            # The scheduler reads only num_speculative_tokens; the drafts are made up here.
+            kwargs["speculative_config"] = SpeculativeConfig(
+                method="ngram", num_speculative_tokens=config.num_speculative_tokens)
         self.scheduler = cls(config.scheduler_config, config.cache_config, **kwargs)
         # Sent to this rank, not yet taken in by its loop.
         self.on_the_way: list[Request] = []
@@ -165,6 +179,12 @@ class DPSimulator:
     @property
     def num_preemptions(self) -> int:
         return sum(rank.scheduler.num_preemptions for rank in self.ranks)
+
+    def spec_decoding_stats(self) -> SpecDecodingStats | None:
+        """The ranks' acceptance counters summed (vLLM's vllm:spec_decode_* over all ranks)."""
+        if not self.config.num_speculative_tokens:
+            return None
+        return sum_spec_stats(rank.scheduler.spec_decode.stats for rank in self.ranks)
 
     def _any_unfinished(self) -> bool:
         return any(rank.scheduler.has_unfinished_requests() for rank in self.ranks)
@@ -225,7 +245,7 @@ class DPSimulator:
         num_decodes = num_prefill = num_context = 0
         for req_id, n in so.num_scheduled_tokens.items():
             request = scheduler.requests[req_id]
-            if self._is_decode(request, n):
+            if _is_decode(request, n, len(so.scheduled_spec_decode_tokens.get(req_id, ()))):
                 num_decodes += 1
             else:
                 num_prefill += n
@@ -233,45 +253,91 @@ class DPSimulator:
         return self.config.cost.step_seconds(num_decodes, num_prefill, num_context), num_prefill > 0
 
     def _update(self, scheduler: Scheduler, so: SchedulerOutput) -> None:
-        """The made-up model output for so, then the scheduler's update and the client's view."""
+        """The made-up model output for so, the scheduler's update and the client's view, then
+        the next step's drafts."""
         req_ids = list(so.num_scheduled_tokens)
-        sampled = [self._sample(scheduler.requests[req_id], n)
-                   for req_id, n in so.num_scheduled_tokens.items()]
+        sampled = [self._sample(scheduler.requests[req_id],
+                                so.scheduled_spec_decode_tokens.get(req_id, []))
+                   for req_id in req_ids]
         output = ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled)
-        num_spec = self.config.num_speculative_tokens
         for out in scheduler.update_from_output(so, output):
             sim_request = self.by_id[out.request_id]
             sim_request.chunk_times.append(self.now)
             sim_request.chunk_sizes.append(len(out.new_token_ids))
             if out.finish_reason is not None:
                 self.in_flight -= 1
-            elif num_spec:
-                # vLLM schedules a decoding request's newest token and its num_spec drafts, and
-                # rolls back the rejected ones. The drafts are not tokens here, so the same
-                # budget and KV slots are taken by leaving the last num_spec known tokens to
-                # compute again.
-                request = scheduler.requests[out.request_id]
-                request.num_computed_tokens = request.num_tokens - 1 - num_spec
+        if self.config.num_speculative_tokens:
+            self._propose(scheduler, so)
 
-    def _sample(self, request: Request, num_scheduled: int) -> list[int]:
-        """Nothing for a prompt chunk, one token when a prompt completes, 1 + the accepted
-        drafts for a decode."""
+    def _sample(self, request: Request, drafts: list[int]) -> list[int]:
+        """Nothing for a prompt chunk, one token when a prompt completes, the accepted drafts and
+        one more when drafts were verified."""
         if request.num_computed_tokens < request.num_tokens:
             return []
-        num_tokens = 1
-        if self._is_decode(request, num_scheduled):
-            rng, rate = self.accept_rng[int(request.request_id)], self.config.acceptance_rate
-            num_tokens += sum(rng.random() < rate
-                              for _ in range(self.config.num_speculative_tokens))
-        return [(request.num_tokens + i) % 30000 + 100 for i in range(num_tokens)]
+        num_accepted = 0
+        if drafts:
+            rng = self.accept_rng[int(request.request_id)]
+            # K draws however many drafts the budget let through, so that a cut in one variant
+            # does not shift the request's later draws.
+            draws = [rng.random() for _ in range(self.config.num_speculative_tokens)]
+            num_accepted = accepted_drafts(draws[:len(drafts)], self.config.acceptance_rate)
+        return drafts[:num_accepted] + [_token_at(request.num_tokens + num_accepted)]
 
-    def _is_decode(self, request: Request, num_scheduled: int) -> bool:
-        """Scheduled (the step's num_computed_tokens already counted) for its newest token and
-        the drafts, with output before: a decode. Anything else computes prompt (or, after a
-        preemption, recomputed) tokens."""
-        return (num_scheduled == 1 + self.config.num_speculative_tokens
-                and request.num_output_tokens > 0
-                and request.num_computed_tokens == request.num_tokens)
+    def _propose(self, scheduler: Scheduler, so: SchedulerOutput) -> None:
+        """K drafts for each of the step's requests that now decode (those NgramProposer.propose
+        picks), through the scheduler's update_draft_token_ids: the tokens the made-up model
+        will emit, so that an accepted draft is the very token it would have sampled."""
+        req_ids, drafts = [], []
+        for req_id in so.num_scheduled_tokens:
+            request = scheduler.requests.get(req_id)
+            if (request is None or request.status != RequestStatus.RUNNING
+                    or request.num_tokens - request.num_computed_tokens != 1):
+                continue  # finished, preempted, or still prefilling
+            req_ids.append(req_id)
+            drafts.append([_token_at(request.num_tokens + i)
+                           for i in range(self.config.num_speculative_tokens)])
+        scheduler.update_draft_token_ids(DraftTokenIds(req_ids, drafts))
+
+
+def _is_decode(request: Request, num_scheduled: int, num_drafts: int) -> bool:
+    """Scheduled (the step's num_computed_tokens already counted) for its newest token and its
+    drafts, with output before: a decode. Anything else computes prompt (or, after a preemption,
+    recomputed) tokens."""
+    return (num_scheduled == 1 + num_drafts and request.num_output_tokens > 0
+            and request.num_computed_tokens == request.num_tokens + num_drafts)
+
+
+def _token_at(position: int) -> int:
+    """The made-up model's token at a position: away from the special ids, never EOS."""
+    return position % 30000 + 100
+
+
+def accepted_drafts(draws: list[float], rate: float | tuple[float, ...]) -> int:
+    """How many of the drafts (one uniform draw each) are accepted. A scalar rate accepts each
+    independently and counts them: Binomial(len(draws), rate), the accepted run being the first
+    that many drafts. Per-position rates accept the prefix rejection sampling keeps: draft i at
+    rate[i] once drafts 0..i-1 were, none after the first rejection."""
+    if not isinstance(rate, tuple):
+        return sum(u < rate for u in draws)
+    num_accepted = 0
+    while num_accepted < len(draws) and draws[num_accepted] < rate[num_accepted]:
+        num_accepted += 1
+    return num_accepted
+
+
+def check_acceptance_rate(rate, num_speculative_tokens: int) -> float | tuple[float, ...]:
+    """The rate as the simulator uses it (a float, or a tuple of one per draft position);
+    ValueError for a rate outside [0, 1] or per-position rates not one per draft."""
+    per_position = isinstance(rate, (list, tuple))
+    rates = tuple(rate) if per_position else (rate,)
+    if per_position and len(rates) != num_speculative_tokens:
+        raise ValueError(f"acceptance_rate: {len(rates)} per-position rates given for "
+                         f"{num_speculative_tokens} speculative tokens; give one per draft "
+                         "position, or one rate for all")
+    for value in rates:
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"acceptance_rate must be in [0, 1], got {value}")
+    return rates if per_position else float(rate)
 
 
 def _planned_send_times(n: int, rate: float, seed: int) -> list[float]:

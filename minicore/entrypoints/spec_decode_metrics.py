@@ -9,11 +9,10 @@ difference since the previous line, where vLLM sums each step's stats over the i
 """
 
 import logging
-from collections.abc import Iterable
 
 from prometheus_client.core import CounterMetricFamily
 
-from minicore.spec_decode.metrics import SpecDecodingStats
+from minicore.spec_decode.metrics import SpecDecodingStats, add_spec_stats
 
 logger = logging.getLogger("minicore.stats")
 
@@ -24,7 +23,6 @@ SPEC_DECODE_COUNTERS = (
     ("spec_decode_num_accepted_tokens", "Number of accepted tokens.", "num_accepted_tokens"),
 )
 PER_POS_HELP = "Accepted tokens per draft position."
-_COUNTS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
 def spec_decode_counters(prefix: str, model_name: str, labels: list[str],
@@ -42,25 +40,6 @@ def spec_decode_counters(prefix: str, model_name: str, labels: list[str],
         for position, count in enumerate(s.num_accepted_tokens_per_pos):
             per_pos.add_metric([model_name, engine, str(position)], count)
     yield per_pos
-
-
-def add_spec_stats(a: SpecDecodingStats, b: SpecDecodingStats | None,
-                   sign: int = 1) -> SpecDecodingStats:
-    """a + sign * b, counter by counter and position by position (a new record; b None: zeros)."""
-    b = b or SpecDecodingStats.new(a.num_spec_tokens)
-    return SpecDecodingStats(
-        a.num_spec_tokens, **{f: getattr(a, f) + sign * getattr(b, f) for f in _COUNTS},
-        num_accepted_tokens_per_pos=[x + sign * y for x, y in zip(
-            a.num_accepted_tokens_per_pos, b.num_accepted_tokens_per_pos, strict=True)])
-
-
-def sum_spec_stats(stats: Iterable[SpecDecodingStats | None]) -> SpecDecodingStats | None:
-    """Several engines' stats as one; None when none has any (no speculative decoding)."""
-    total = None
-    for s in stats:
-        if s is not None:
-            total = add_spec_stats(s, total)
-    return total
 
 
 class SpecDecodingLogging:

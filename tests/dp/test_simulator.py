@@ -1,9 +1,11 @@
 """The DP simulator (minicore/dp/simulator.py) and `python -m minicore simulate`: its bookkeeping
 with small exact numbers (when each request gets its tokens, when the balance gate is shut,
-requests delivered one step late while a wave runs, speculative tokens), conservation on random
+requests delivered one step late while a wave runs, drafts through the scheduler's draft path),
+the acceptance models (scalar: Binomial counts; per-position: a prefix), conservation on random
 workloads, and the command's output and JSON."""
 
 import json
+import random
 
 import pytest
 
@@ -14,14 +16,15 @@ from minicore.dp.simulator import (
     DPSimulator,
     SimConfig,
     SimRequest,
+    accepted_drafts,
     make_random_workload,
 )
 
 STEP_S = 0.010
 
 
-def sim_config(dp=2, max_num_seqs=2, threshold=None, **kwargs) -> SimConfig:
-    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
+def sim_config(dp=2, max_num_seqs=2, threshold=None, budget=256, **kwargs) -> SimConfig:
+    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                 max_model_len=256, balance_scheduling=threshold is not None,
                                 balance_threshold=threshold or "full")
     cache = CacheConfig(block_size=4, num_blocks=1 + max_num_seqs * 64,
@@ -86,14 +89,64 @@ def test_idle_ranks_take_a_request_at_once_and_the_wave_ends_after_a_sync():
     assert len(steps) == 3 * 32
 
 
-@pytest.mark.parametrize("rate, sizes", [(1.0, [1, 4, 4]), (0.0, [1] * 9)])
-def test_speculative_decode_emits_one_plus_accepted_drafts(rate, sizes):
-    requests, steps = DPSimulator(
-        sim_config(dp=1, num_speculative_tokens=3, acceptance_rate=rate),
-        workload([9])).run()
+@pytest.mark.parametrize("rate, sizes, per_pos", [
+    (1.0, [1, 4, 4], [2, 2, 2]), (0.0, [1] * 9, [0, 0, 0]),
+    # Per position, a prefix: draft 2 is never verified as accepted once draft 1 was rejected.
+    ((1.0, 0.0, 1.0), [1] + [2] * 4, [4, 0, 0]), ((1.0, 1.0, 0.0), [1, 3, 3, 2], [3, 3, 0])])
+def test_speculative_decode_emits_accepted_drafts_and_one_more(rate, sizes, per_pos):
+    simulator = DPSimulator(sim_config(dp=1, num_speculative_tokens=3, acceptance_rate=rate),
+                            workload([9]))
+    requests, steps = simulator.run()
     assert requests[0].chunk_sizes == sizes
-    # Each decode schedules the newest token and the three drafts.
+    # Each decode schedules the newest token and the three drafts the scheduler was given.
     assert steps[1].num_scheduled_tokens == [4]
+    stats = simulator.spec_decoding_stats()
+    assert stats.num_drafts == len(sizes) - 1 and stats.num_draft_tokens == 3 * stats.num_drafts
+    assert stats.num_accepted_tokens_per_pos == per_pos
+
+
+def test_drafts_go_through_the_schedulers_draft_path():
+    # The drafts are the scheduler's own: reported in scheduled_spec_decode_tokens, given back
+    # after the update, and the tokens the made-up model emits.
+    simulator = DPSimulator(sim_config(dp=1, num_speculative_tokens=2, acceptance_rate=1.0),
+                            workload([5]))
+    scheduler = simulator.ranks[0].scheduler
+    seen = []
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        so = schedule()
+        seen.append(dict(so.scheduled_spec_decode_tokens))
+        return so
+
+    scheduler.schedule = recording_schedule
+    simulator.run()
+    # Prompt of 4 (positions 0-3), first token at 4, drafts for 5 and 6 (and 7 sampled); then
+    # drafts for 8 and 9, though one token is left before max_tokens (vLLM's drafters do not
+    # look at max_tokens: the update cuts the accepted run there).
+    assert seen[:3] == [{}, {"0": [105, 106]}, {"0": [108, 109]}]
+    assert seen[3:] == [{}] * (len(seen) - 3)
+
+
+def test_a_decode_cut_by_the_token_budget_verifies_fewer_drafts():
+    # Budget 6, two 3-token prompts: both complete in step 1; then request 0 takes 1 + 3 drafts
+    # and request 1 the 2 tokens left (1 + 1 draft), until request 0 is done.
+    requests, _ = DPSimulator(
+        sim_config(dp=1, budget=6, num_speculative_tokens=3, acceptance_rate=1.0),
+        workload([9, 9], input_len=3)).run()
+    assert [r.chunk_sizes for r in requests] == [[1, 4, 4], [1, 2, 2, 4]]
+
+
+@pytest.mark.parametrize("rate, expected", [
+    (0.7, [1 - 0.3 ** 3, 3 * 0.7 ** 2 * 0.3 + 0.7 ** 3, 0.7 ** 3]),
+    ((0.9, 0.5, 0.2), [0.9, 0.45, 0.09])])
+def test_acceptance_models_per_position(rate, expected):
+    # vLLM's per-position acceptance (accepted at position i / drafts): the Binomial's
+    # P(count > i), and the prefix model's product of the rates up to i.
+    rng, n = random.Random(0), 20000
+    counts = [accepted_drafts([rng.random() for _ in range(3)], rate) for _ in range(n)]
+    for i, want in enumerate(expected):
+        assert sum(c > i for c in counts) / n == pytest.approx(want, abs=0.012)
 
 
 def test_speculative_tokens_stop_at_max_tokens():
@@ -126,10 +179,11 @@ def test_every_request_answered_once_with_its_exact_length(threshold, client):
             assert in_flight <= 5
 
 
-def test_variants_see_the_same_workload_and_accepted_drafts():
+@pytest.mark.parametrize("rate", [0.5, (0.8, 0.6, 0.4)])
+def test_variants_see_the_same_workload_and_accepted_drafts(rate):
     def chunk_sizes(threshold):
         config = sim_config(dp=2, max_num_seqs=2, threshold=threshold, num_speculative_tokens=3,
-                            acceptance_rate=0.5, max_concurrency=4, seed=7)
+                            acceptance_rate=rate, max_concurrency=4, seed=7)
         work = make_random_workload(12, 8, 20, seed=7)
         return [r.chunk_sizes for r in DPSimulator(config, work).run()[0]]
 
@@ -169,10 +223,34 @@ def test_simulate_variant_flags(tmp_path, capsys, flags, variants):
     assert set(result) - {"simulated", "args"} == variants
 
 
-def test_simulate_rejects_bad_settings(tmp_path, capsys):
+@pytest.mark.parametrize("flags, message", [
+    (["--acceptance-rate", "1.5"], "acceptance_rate must be in [0, 1], got 1.5"),
+    (["--num-speculative-tokens", "3", "--acceptance-rate", "0.9,1.2,0.5"],
+     "acceptance_rate must be in [0, 1], got 1.2"),
+    (["--num-speculative-tokens", "3", "--acceptance-rate", "0.9,0.8"],
+     "acceptance_rate: 2 per-position rates given for 3 speculative tokens")])
+def test_simulate_rejects_bad_settings(tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as exc:
-        run_cli(tmp_path, capsys, "--acceptance-rate", "1.5")
-    assert "acceptance_rate" in str(exc.value)
+        run_cli(tmp_path, capsys, *flags)
+    assert message in str(exc.value)
+
+
+def test_simulate_rejects_a_rate_that_is_not_a_number(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        run_cli(tmp_path, capsys, "--acceptance-rate", "0.9;0.8")
+    assert "comma-separated rates per draft position, got '0.9;0.8'" in capsys.readouterr().err
+
+
+def test_simulate_takes_per_position_rates(tmp_path, capsys):
+    result, out = run_cli(tmp_path, capsys, "--num-speculative-tokens", "2",
+                          "--acceptance-rate", "1,0.5", "--no-balance-scheduling")
+    assert result["args"]["acceptance_rate"] == [1.0, 0.5]
+    spec = result["baseline"]["simulation"]["spec_decoding"]
+    assert spec["acceptance_per_position"][0] == 1.0
+    assert 0.3 < spec["acceptance_per_position"][1] < 0.7
+    assert spec["mean_acceptance_length"] == pytest.approx(
+        1 + sum(spec["acceptance_per_position"]))
+    assert "baseline drafts (simulated): mean acceptance length" in out
 
 
 def test_published_experiment_full_gate_beats_the_baseline(tmp_path, capsys):
