@@ -158,20 +158,26 @@ def moe_equality(args) -> dict:
 
 
 def spec_config(args) -> dict:
+    """The speculative_config of add_spec_args' flags."""
     config = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
               "prompt_lookup_max": args.prompt_lookup_max,
               "prompt_lookup_min": args.prompt_lookup_min}
-    if args.disable_by_batch_size:
+    if getattr(args, "disable_by_batch_size", 0):
         config["disable_by_batch_size"] = args.disable_by_batch_size
     return config
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_spec_args(ap: argparse.ArgumentParser) -> None:
+    """The model and the ngram drafter's flags (also benchmarks/spec_acceptance.py's)."""
     ap.add_argument("--model", default=None, help="model directory or .gguf (default: SmolLM2)")
     ap.add_argument("--num-speculative-tokens", type=int, default=3)
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_spec_args(ap)
     ap.add_argument("--disable-by-batch-size", type=int, default=8,
                     help="the drafts' batch-size cut-off (0: drafts at every batch size)")
     ap.add_argument("--max-tokens", type=int, default=192)

@@ -34,7 +34,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_spec_decode import cpu_description, repetitive_prompts  # noqa: E402
+from bench_spec_decode import (  # noqa: E402
+    add_spec_args,
+    cpu_description,
+    repetitive_prompts,
+    spec_config,
+)
 from bench_throughput import make_workload  # noqa: E402
 
 from minicore.config import CacheConfig, SchedulerConfig  # noqa: E402
@@ -217,16 +222,11 @@ def print_tables(results: dict, k: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="model directory or .gguf (default: SmolLM2)")
-    ap.add_argument("--num-speculative-tokens", type=int, default=3)
-    ap.add_argument("--prompt-lookup-max", type=int, default=4)
-    ap.add_argument("--prompt-lookup-min", type=int, default=2)
+    add_spec_args(ap)
     ap.add_argument("--json", default=str(RESULTS))
     args = ap.parse_args()
     k = args.num_speculative_tokens
-    spec = {"method": "ngram", "num_speculative_tokens": k,
-            "prompt_lookup_max": args.prompt_lookup_max,
-            "prompt_lookup_min": args.prompt_lookup_min}
+    spec = spec_config(args)
     llm = LLM(args.model, max_model_len=2048, kv_cache_memory=256 << 20, max_num_seqs=16,
               speculative_config=spec)
     vocab = llm.llm_engine.model_runner.model.config.vocab_size
