@@ -119,11 +119,10 @@ class KVCacheManager:
                 new_blocks = KVCacheBlocks(self.block_pool.get_new_blocks(num_new_blocks))
                 blocks.extend(new_blocks.blocks)
             self.req_to_blocks[req_id] = blocks
-        # Draft tokens may be rejected: only blocks of known tokens are cached.
-        num_tokens = min(num_tokens, request.num_tokens)
         if (self.enable_caching and not delay_cache_blocks
                 and num_tokens // self.block_size > self.num_cached_block.get(req_id, 0)):
-            self._cache_full_blocks(request, blocks, num_tokens)
+            # Draft tokens may be rejected: only blocks of known tokens are cached.
+            self._cache_full_blocks(request, blocks, min(num_tokens, request.num_tokens))
         return new_blocks
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
