@@ -14,7 +14,7 @@ import argparse
 import json
 import os
 import re
-from dataclasses import field
+from dataclasses import field, fields
 from pathlib import Path
 from typing import Any
 
@@ -149,3 +149,22 @@ def flag(default, help: str, **cli) -> Any:
 
 # The metadata of a config field set at run time: no flag.
 RUNTIME = {"cli": False}
+
+
+def json_object(value: str | dict, cls: type) -> dict:
+    """The keyword arguments of dataclass cls in a config-valued flag's JSON text or a keyword's
+    dict (vLLM parses those flags from JSON too); ValueError for text that is not JSON, a value
+    that is not an object, or a key cls has no field for."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not JSON ({e}): {value}") from None
+    names = [f.name for f in fields(cls)]
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object with keys among {', '.join(names)}, "
+                         f"got {value!r}")
+    if unknown := sorted(set(value) - set(names)):
+        raise ValueError(f"expected a JSON object with keys among {', '.join(names)}, got "
+                         f"unknown key(s) {', '.join(unknown)}")
+    return value

@@ -108,21 +108,28 @@ def default_tokens(req: Request) -> list[int]:
     return [FAKE_TOKEN_BASE + req.num_output_tokens]
 
 
+def _planned(planned: int | Sequence[int] | None, first: int, n: int) -> int:
+    """The token a script plans for a request's output n (first: its outputs so far)."""
+    if isinstance(planned, int):
+        if n == first:
+            return planned
+    elif planned is not None and n < len(planned):
+        return planned[n]
+    return FAKE_TOKEN_BASE + n
+
+
 def _sample(req: Request, script: Script, drafts: Sequence[int] = ()) -> list[int]:
-    """The request's tokens this step: with drafts, those accepted and one more."""
+    """The request's tokens this step: with drafts, those equal to the planned tokens (a greedy
+    verifier's) and the planned token after them."""
     if callable(script):
         return list(script(req))
     planned = script.get(req.request_id) if script else None
-    tokens = []
-    for n in range(req.num_output_tokens, req.num_output_tokens + len(drafts) + 1):
-        if isinstance(planned, int) and n == req.num_output_tokens:
-            tokens.append(planned)
-        elif planned is not None and not isinstance(planned, int) and n < len(planned):
-            tokens.append(planned[n])
-        else:
-            tokens.append(FAKE_TOKEN_BASE + n)
-        if len(tokens) > len(drafts) or tokens[-1] != drafts[len(tokens) - 1]:
-            return tokens
+    first = req.num_output_tokens
+    tokens = [_planned(planned, first, first)]
+    for draft in drafts:
+        if tokens[-1] != draft:
+            break
+        tokens.append(_planned(planned, first, first + len(tokens)))
     return tokens
 
 

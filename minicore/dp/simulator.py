@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from minicore.config import CacheConfig, SchedulerConfig
 from minicore.dp.wave import is_sync_step, runs_dummy_batch
-from minicore.request import Request, RequestStatus
+from minicore.request import Request
 from minicore.sampling_params import SamplingParams
 from minicore.scheduler.balance import BalanceScheduler
 from minicore.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -39,6 +39,7 @@ from minicore.scheduler.scheduler import Scheduler
 from minicore.scheduler.spec_decode import DraftTokenIds
 from minicore.spec_decode.config import SpeculativeConfig
 from minicore.spec_decode.metrics import SpecDecodingStats, sum_spec_stats
+from minicore.spec_decode.ngram_proposer import decoding_requests
 
 
 @dataclass(slots=True)
@@ -284,19 +285,14 @@ class DPSimulator:
         return drafts[:num_accepted] + [_token_at(request.num_tokens + num_accepted)]
 
     def _propose(self, scheduler: Scheduler, so: SchedulerOutput) -> None:
-        """K drafts for each of the step's requests that now decode (those NgramProposer.propose
-        picks), through the scheduler's update_draft_token_ids: the tokens the made-up model
-        will emit, so that an accepted draft is the very token it would have sampled."""
-        req_ids, drafts = [], []
-        for req_id in so.num_scheduled_tokens:
-            request = scheduler.requests.get(req_id)
-            if (request is None or request.status != RequestStatus.RUNNING
-                    or request.num_tokens - request.num_computed_tokens != 1):
-                continue  # finished, preempted, or still prefilling
-            req_ids.append(req_id)
-            drafts.append([_token_at(request.num_tokens + i)
-                           for i in range(self.config.num_speculative_tokens)])
-        scheduler.update_draft_token_ids(DraftTokenIds(req_ids, drafts))
+        """K drafts for each of the step's requests that NgramProposer would draft for, through
+        the scheduler's update_draft_token_ids: the tokens the made-up model will emit, so that
+        an accepted draft is the very token it would have sampled."""
+        requests = decoding_requests(scheduler, so)
+        k = self.config.num_speculative_tokens
+        scheduler.update_draft_token_ids(DraftTokenIds(
+            [r.request_id for r in requests],
+            [[_token_at(r.num_tokens + i) for i in range(k)] for r in requests]))
 
 
 def _is_decode(request: Request, num_scheduled: int, num_drafts: int) -> bool:

@@ -4,17 +4,17 @@ Mirrors EngineArgs.add_cli_args and EngineArgs.from_cli_args in vllm/engine/arg_
 flag per user-facing field of minicore/config.py's sub-configs, grouped by sub-config, with type,
 choices and default from the field and --help from its metadata, so every default is written once,
 in the records. The records outside the sub-configs take one JSON flag each, as vLLM's:
---kv-transfer-config (prefill/decode disaggregation) and --speculative-config (draft tokens,
-SpeculativeConfig.from_json). Left out: vLLM's EngineArgs dataclass (the flat keyword arguments go
+--kv-transfer-config (prefill/decode disaggregation) and --speculative-config (draft tokens).
+Left out: vLLM's EngineArgs dataclass (the flat keyword arguments go
 straight to create_engine_config), config files (--config), deprecation notices.
 """
 
 import argparse
-import json
 from dataclasses import MISSING, Field, fields, is_dataclass
 from types import NoneType, UnionType
 from typing import Literal, get_args, get_origin
 
+from minicore.arg_utils import json_object
 from minicore.config import SUB_CONFIGS
 from minicore.kv_transfer.config import KVTransferConfig
 from minicore.scheduler.policies import get_policy, policy_names
@@ -66,16 +66,8 @@ def _record_flags():
     """(field of EngineConfig, --help group, flag type, help) of each record's JSON flag."""
     return (("kv_transfer_config", "KV transfer", _json_dataclass(KVTransferConfig),
              KV_TRANSFER_HELP),
-            ("speculative_config", "speculative decoding", _speculative_config, SPECULATIVE_HELP))
-
-
-def _speculative_config(text: str) -> SpeculativeConfig:
-    """--speculative-config's type: SpeculativeConfig.from_json, its ValueError as argparse's
-    error (which names the flag)."""
-    try:
-        return SpeculativeConfig.from_json(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+            ("speculative_config", "speculative decoding", _json_dataclass(SpeculativeConfig),
+             SPECULATIVE_HELP))
 
 
 def _cli_fields(exclude: tuple[str, ...]):
@@ -110,20 +102,12 @@ def _flag_kwargs(f: Field) -> dict:
 
 
 def _json_dataclass(cls: type):
-    """A flag type that reads a JSON object into cls, with the bad key or value named (vLLM
-    parses its config-valued flags from JSON too)."""
-    names = [f.name for f in fields(cls)]
+    """A flag type that reads a JSON object into cls, with the bad key or value named
+    (minicore.arg_utils.json_object); argparse's error names the flag."""
 
     def parse(text: str):
         try:
-            value = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise argparse.ArgumentTypeError(f"not JSON ({e}): {text}") from None
-        if not isinstance(value, dict) or not set(value) <= set(names):
-            raise argparse.ArgumentTypeError(
-                f"expected a JSON object with keys among {', '.join(names)}, got {text}")
-        try:
-            return cls(**value)
+            return cls(**json_object(text, cls))
         except (TypeError, ValueError) as e:  # TypeError: a value that is not a number
             raise argparse.ArgumentTypeError(str(e)) from None
 

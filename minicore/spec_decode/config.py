@@ -6,9 +6,10 @@ methods (a draft model, EAGLE, MTP, Medusa, suffix decoding) are refused by name
 minicore.config imports it.
 """
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
+
+from minicore.arg_utils import json_object
 
 METHODS = ("ngram",)
 
@@ -61,15 +62,8 @@ class SpeculativeConfig:
         naming the bad key or value."""
         if isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config: not JSON ({e}): {value}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config: expected a JSON object, got {value!r}")
-        names = [f.name for f in fields(cls)]
-        if unknown := sorted(set(value) - set(names)):
-            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(names)}")
-        return cls(**value)
+        try:
+            kwargs = json_object(value, cls)
+        except ValueError as e:
+            raise ValueError(f"speculative_config: {e}") from None
+        return cls(**kwargs)

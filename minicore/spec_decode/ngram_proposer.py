@@ -24,6 +24,16 @@ if TYPE_CHECKING:
 _ITEM = array("i").itemsize
 
 
+def decoding_requests(scheduler: "Scheduler", scheduler_output: "SchedulerOutput") -> list[Request]:
+    """The step's requests a drafter proposes for: still running, with only the newest token
+    left to compute (the scheduler drops the drafts of one still prefilling)."""
+    requests = scheduler.requests
+    return [request for req_id in scheduler_output.num_scheduled_tokens
+            if (request := requests.get(req_id)) is not None
+            and request.status == RequestStatus.RUNNING
+            and request.num_tokens - request.num_computed_tokens == 1]
+
+
 class NgramProposer:
     def __init__(self, speculative_config: SpeculativeConfig, max_model_len: int):
         self.k = speculative_config.num_speculative_tokens
@@ -41,18 +51,11 @@ class NgramProposer:
         scheduler.update_draft_token_ids (vLLM's propose_draft_token_ids, then the update)."""
         for req_id in scheduler_output.finished_req_ids:
             self._packed.pop(req_id, None)
-        req_ids, drafts = [], []
-        if not (self.disable_by_batch_size
-                and len(scheduler.running) >= self.disable_by_batch_size):
-            requests = scheduler.requests
-            for req_id in scheduler_output.num_scheduled_tokens:
-                request = requests.get(req_id)
-                if (request is None or request.status != RequestStatus.RUNNING
-                        or request.num_tokens - request.num_computed_tokens != 1):
-                    continue  # finished, preempted, or still prefilling
-                req_ids.append(req_id)
-                drafts.append(self.propose_for(request))
-        scheduler.update_draft_token_ids(DraftTokenIds(req_ids, drafts))
+        requests = ([] if self.disable_by_batch_size
+                    and len(scheduler.running) >= self.disable_by_batch_size
+                    else decoding_requests(scheduler, scheduler_output))
+        scheduler.update_draft_token_ids(DraftTokenIds(
+            [r.request_id for r in requests], [self.propose_for(r) for r in requests]))
 
     def propose_for(self, request: Request) -> list[int]:
         """The draft of one request: the tokens that followed the most recent earlier occurrence
