@@ -59,6 +59,11 @@ class SchedulerConfig:
         "all-gather", "how the balance gate learns the ranks' running counts: all-gather: every "
                       "rank's count, as vllm-ascend does; all-reduce-max: only the largest, the "
                       "same decisions for one integer", group="data parallel")
+    # None: resolved by EngineConfig.resolve_async_scheduling once the runner's device is known.
+    async_scheduling: bool | None = flag(
+        None, "schedule the next step while the forward of this one runs (vLLM's async "
+              "scheduling with its batch queue); default: on CUDA, off on CPU, where it measured "
+              "no faster (docs/BENCHMARKS.md)")
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -190,6 +195,32 @@ class EngineConfig:
         if self.speculative_config is not None and not runner_info(runner).has_logits:
             raise ValueError(f"the {runner} runner has no model to verify drafts against: "
                              "--speculative-config needs --runner transformers")
+        if self.scheduler_config.async_scheduling and (reason := self._async_unsupported()):
+            raise ValueError(f"--async-scheduling does not support {reason}")
+
+    def _async_unsupported(self) -> str | None:
+        """Why async scheduling cannot run with this config, if it cannot (vLLM refuses the
+        combinations it does not support the same way)."""
+        if self.speculative_config is not None:
+            # The ngram drafter reads the tokens sampled last step on the scheduler's side; async
+            # scheduling has scheduled the next step before they arrive (vLLM: only EAGLE/MTP).
+            return f"{self.speculative_config.method} speculative decoding"
+        if self.kv_transfer_config is not None:
+            return "a KV connector (--kv-transfer-config)"
+        if (self.parallel_config.data_parallel_size > 1
+                and runner_info(self.model_config.runner).reports_step_time):
+            return (f"the {self.model_config.runner} runner with --data-parallel-size > 1 (its "
+                    "forwards keep ranks in lockstep one step at a time)")
+        return None
+
+    def resolve_async_scheduling(self, device_type: str) -> bool:
+        """--async-scheduling's default, once the runner's device is known: on for CUDA (vLLM's
+        default), off on CPU (measured no faster there: docs/BENCHMARKS.md), and off where
+        unsupported."""
+        sc = self.scheduler_config
+        if sc.async_scheduling is None:
+            sc.async_scheduling = device_type == "cuda" and self._async_unsupported() is None
+        return sc.async_scheduling
 
 
 # EngineConfig's sub-configs, with the titles of their flags' --help groups.

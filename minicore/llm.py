@@ -205,7 +205,7 @@ class LLM:
         start, num_in, num_out = time.perf_counter(), 0, 0
         try:
             while processor.has_unfinished_requests():
-                outputs, _ = engine.step()
+                outputs, _ = engine.step_fn()
                 num_out += sum(len(output.new_token_ids) for output in outputs)
                 processed = processor.process_outputs(outputs)
                 if processed.reqs_to_abort:  # stop strings ended them here

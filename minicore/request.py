@@ -49,7 +49,8 @@ class Request:
                  "all_token_ids", "output_token_ids", "num_prompt_tokens", "num_tokens",
                  "num_computed_tokens",
                  "num_cached_tokens", "num_preemptions", "block_hashes", "kv_transfer_params",
-                 "events", "num_prompt_logprobs_sent", "spec_token_ids")
+                 "events", "num_prompt_logprobs_sent", "spec_token_ids",
+                 "num_output_placeholders")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_id: int | None = None,
@@ -90,6 +91,9 @@ class Request:
         # Draft tokens to verify after the newest one (speculative decoding), set by the drafter
         # after a step and scheduled (then cleared) by the next.
         self.spec_token_ids: list[int] = []
+        # Tokens sampled by steps still in flight, counted in num_computed_tokens but not yet in
+        # num_tokens (async scheduling; always 0 without it).
+        self.num_output_placeholders = 0
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest) -> "Request":

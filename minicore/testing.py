@@ -15,11 +15,12 @@ samples FAKE_TOKEN_BASE + its number of outputs so far; a script chooses tokens 
 fake_model_output), e.g. an EOS or a stop id at a chosen step. Draft tokens (speculative
 decoding) are given with propose(s, {"a": [7, 8]}), as a drafter would after a step; the fake model
 verifies them as a greedy runner does: a draft is accepted while it equals the token the model
-would sample there, and the first one that does not is replaced by that token. Pure Python, like
+would sample there, and the first one that does not is replaced by that token. With async
+scheduling (make_scheduler(async_scheduling=True)) a test overlaps steps as EngineCore's batch
+queue does: schedule_step() twice, then finish_step() on the first. Pure Python, like
 minicore.scheduler. Left out: logits, logprobs and the sampler's masking (min_tokens: script the
-tokens instead), async scheduling (a test may call schedule() twice, then fake_model_output and
-update_from_output itself), the KV connector's worker side and the DP collectives (a test plays
-them: connector= goes to the scheduler, BalanceScheduler.balance_counts is assigned by hand).
+tokens instead), the KV connector's worker side and the DP collectives (a test plays them:
+connector= goes to the scheduler, BalanceScheduler.balance_counts is assigned by hand).
 """
 
 import itertools
@@ -35,8 +36,8 @@ from minicore.scheduler.output import ModelRunnerOutput
 from minicore.scheduler.spec_decode import DraftTokenIds
 
 __all__ = ["FAKE_TOKEN_BASE", "Script", "Step", "block", "default_tokens", "fake_model_output",
-           "free_ids", "make_request", "make_scheduler", "num_free", "outputs_by_id", "propose",
-           "run_until_finished", "step"]
+           "finish_step", "free_ids", "make_request", "make_scheduler", "num_free", "outputs_by_id",
+           "propose", "run_until_finished", "schedule_step", "step"]
 
 # Token ids the default fake model samples: far from any small EOS or stop id a test picks.
 FAKE_TOKEN_BASE = 1000
@@ -124,7 +125,9 @@ def _sample(req: Request, script: Script, drafts: Sequence[int] = ()) -> list[in
     if callable(script):
         return list(script(req))
     planned = script.get(req.request_id) if script else None
-    first = req.num_output_tokens
+    # The outputs before this step's: right after schedule() the request has computed every one
+    # of them (those still in flight with async scheduling included) and its drafts.
+    first = req.num_computed_tokens - len(drafts) - req.num_prompt_tokens
     tokens = [_planned(planned, first, first)]
     for draft in drafts:
         if tokens[-1] != draft:
@@ -178,10 +181,22 @@ class Step:
     out: SchedulerOutput
 
 
+def schedule_step(s: Scheduler, tokens: Script = None) -> tuple[SchedulerOutput, ModelRunnerOutput]:
+    """schedule() and what the fake model samples for it (tokens: see Script): a step in flight,
+    for finish_step."""
+    out = s.schedule()
+    return out, fake_model_output(s, out, tokens)
+
+
 def step(s: Scheduler, tokens: Script = None) -> Step:
     """One engine step: schedule(), the fake model (tokens: see Script), update_from_output()."""
-    out = s.schedule()
-    outputs = s.update_from_output(out, fake_model_output(s, out, tokens))
+    return finish_step(s, schedule_step(s, tokens))
+
+
+def finish_step(s: Scheduler, in_flight: tuple[SchedulerOutput, ModelRunnerOutput]) -> Step:
+    """update_from_output() with a step's output; the record of the step."""
+    out, runner_output = in_flight
+    outputs = s.update_from_output(out, runner_output)
     kv = s.kv_cache_manager
     return Step(
         scheduled=out.num_scheduled_tokens,

@@ -1,18 +1,23 @@
-"""EngineCore: the scheduler and the model runner, driven one step at a time.
+"""EngineCore: the scheduler and the model runner, driven one step at a time or two at once.
 
-Mirrors EngineCore in vllm/v1/engine/core.py: add_request, abort_requests, and step(),
-which schedules, runs the model and updates the scheduler with what it sampled. A KV connector
+Mirrors EngineCore in vllm/v1/engine/core.py: add_request, abort_requests, and its two step
+functions, bound once as step_fn: step() schedules, runs the model and updates the scheduler with
+what it sampled; with async scheduling, step_with_batch_queue() schedules and submits step N+1 to
+the forward thread while step N runs, and only then waits for N (the scheduler's placeholders:
+minicore/scheduler/async_scheduler.py). A KV connector
 is bound once, by bind_kv_connectors (minicore/kv_transfer/worker.py): its scheduler side goes to
 the Scheduler, its worker side wraps the runner's forward; without one, the forward is the
 runner's own.
 It then keeps stepping while the scheduler holds blocks for a peer or waits for remote KV, even
 with nothing to compute (Scheduler.has_requests). With --speculative-config a drafter
 (minicore/spec_decode/) proposes each request's draft tokens after the update, for the next step
-to verify. Left out: the batch queue for pipeline parallelism, the executor layer (one in-process
-runner), structured output, sleep mode and LoRA utilities.
+to verify. Left out: pipeline parallelism's deeper batch queue, the executor layer (one in-process
+runner on one thread), structured output, sleep mode and LoRA utilities.
 """
 
 import logging
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from minicore.config import EngineConfig
 from minicore.engine.input_processor import validate_prompt_token_ids, validate_sampling_params
@@ -22,7 +27,7 @@ from minicore.model.registry import runner_info
 from minicore.model.runner_base import ModelRunnerInterface
 from minicore.protocol import EngineCoreOutput
 from minicore.request import Request, RequestStatus
-from minicore.scheduler import BalanceScheduler, Scheduler
+from minicore.scheduler import BalanceScheduler, Scheduler, SchedulerOutput
 from minicore.spec_decode import make_drafter
 
 logger = logging.getLogger(__name__)
@@ -36,6 +41,9 @@ class EngineCore:
         self.config = config
         self.runner_info = runner_info(config.model_config.runner)
         self.model_runner: ModelRunnerInterface = self._make_model_runner(config, model, tokenizer)
+        # A runner without a device (the simulated one) counts as a CPU one.
+        async_scheduling = config.resolve_async_scheduling(
+            getattr(getattr(self.model_runner, "device", None), "type", "cpu"))
         # The one place num_blocks is set at run time: the runner has sized the KV cache.
         config.cache_config.num_blocks = self.model_runner.num_blocks
         _check_kv_cache_fits(config)
@@ -44,6 +52,13 @@ class EngineCore:
         self.scheduler = make_scheduler(config, self.kv_connectors.scheduler_side)
         # Proposes each request's drafts after a step (NoDrafter without --speculative-config).
         self.drafter = make_drafter(config)
+        # The forward's one thread (started on first use): it keeps the model's thread-local
+        # state in one place.
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="EngineCore-forward")
+        # Steps submitted and not yet updated from, newest first (vLLM: batch_queue).
+        self.batch_queue: deque[tuple[Future, SchedulerOutput]] = deque()
+        self.batch_queue_size = 2 if async_scheduling else 1
+        self.step_fn = self.step_with_batch_queue if async_scheduling else self.step
 
     def _make_model_runner(self, config: EngineConfig, model, tokenizer):
         runner_cls = self.runner_info.load_class()
@@ -83,6 +98,34 @@ class EngineCore:
         outputs = self.update_from_output(scheduler_output, model_output)
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
+    def step_with_batch_queue(self) -> tuple[list[EngineCoreOutput], bool]:
+        """Schedule and submit the next step while the one before runs; then wait for the oldest
+        step and update from it. Returns its outputs ([] if none was waited for) and whether the
+        new step runs the model."""
+        executed = self._submit_next_batch()
+        if (batch := self._batch_to_finish(executed)) is None:
+            return [], executed
+        future, scheduler_output = batch
+        return self.update_from_output(scheduler_output, future.result()), executed
+
+    def _submit_next_batch(self) -> bool:
+        """Schedule a step and hand it to the forward thread; whether it runs the model."""
+        if not self.scheduler.has_requests():
+            return False
+        scheduler_output = self.scheduler.schedule()
+        future = self.executor.submit(self.execute_model, scheduler_output)
+        self.batch_queue.appendleft((future, scheduler_output))
+        return scheduler_output.total_num_scheduled_tokens > 0
+
+    def _batch_to_finish(self, executed: bool) -> tuple[Future, SchedulerOutput] | None:
+        """The oldest step, to wait for now; None while the queue has room and the oldest still
+        runs after a step that runs the model went in (vLLM's rule)."""
+        queue = self.batch_queue
+        if not queue or (executed and len(queue) < self.batch_queue_size
+                         and not queue[-1][0].done()):
+            return None
+        return queue.pop()
+
     def update_from_output(self, scheduler_output, model_output) -> list[EngineCoreOutput]:
         """The scheduler's update, then the drafts of the next step (vLLM: post_step)."""
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
@@ -96,6 +139,7 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
         self.kv_connectors.shutdown()
 
 

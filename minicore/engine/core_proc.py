@@ -7,8 +7,10 @@ a blocking busy loop and hands messages over in queue.Queues, minicore runs one 
 per engine process: the socket IO and the busy loop are coroutines joined by asyncio.Queues, and
 only the model forward leaves the loop, for one worker thread. The loop steps while the scheduler
 has requests (Scheduler.has_requests), polling every KV_POLL_INTERVAL_S when a step computes
-nothing. Data parallelism is DPEngineCoreProc's (minicore/dp/engine.py). Left out: several
-frontends per engine, the batch queue, structured output, request preprocessing caches.
+nothing. With async scheduling a step is EngineCore.step_with_batch_queue's, awaited: the next
+schedule runs on the loop while the forward thread runs the step before. Data parallelism is
+DPEngineCoreProc's (minicore/dp/engine.py). Left out: several frontends per engine, structured
+output, request preprocessing caches.
 """
 
 import asyncio
@@ -16,7 +18,6 @@ import logging
 import os
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -91,6 +92,9 @@ class EngineCoreProc(EngineCore):
         }
         self._last_stats = None
         self.num_received_requests = 0
+        # Bound once, as EngineCore.step_fn: one step at a time, or two with the batch queue.
+        if self.batch_queue_size > 1:
+            self._process_engine_step = self._process_batch_queue_step
 
     def _init_data_parallel(self, config: EngineConfig) -> None:
         """Join the DP group before the model loads (DPEngineCoreProc); nothing to do alone."""
@@ -115,8 +119,6 @@ class EngineCoreProc(EngineCore):
         self.output_queue: asyncio.Queue[EngineCoreOutputs | bytes] = asyncio.Queue()
         self.input_socket = zmq.asyncio.Socket.from_socket(self._input_socket)
         self.output_socket = zmq.asyncio.Socket.from_socket(self._output_socket)
-        # One thread for the model: it keeps the model's thread-local state in one place.
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="EngineCore-forward")
         input_task = asyncio.create_task(self.process_input_sockets())
         self.output_task = asyncio.create_task(self.process_output_sockets())
         for task in (input_task, self.output_task):
@@ -278,6 +280,21 @@ class EngineCoreProc(EngineCore):
         # ABORT X then ADD X applied here would hand the old X's token to the new X.
         self._send(self.update_from_output(scheduler_output, model_output))
         return scheduler_output.total_num_scheduled_tokens > 0
+
+    async def _process_batch_queue_step(self) -> bool:
+        """EngineCore.step_with_batch_queue with the wait awaited; True if the new step runs the
+        model. A step that scheduled nothing before a step that ran was updated is followed by
+        one more schedule: that update may have freed what it lacked, and the busy loop would
+        otherwise wait for input."""
+        while True:
+            executed = self._submit_next_batch()
+            if (batch := self._batch_to_finish(executed)) is None:
+                return executed
+            future, scheduler_output = batch
+            model_output = await asyncio.wrap_future(future)
+            self._send(self.update_from_output(scheduler_output, model_output))
+            if executed or scheduler_output.total_num_scheduled_tokens == 0:
+                return executed
 
     async def _run_forward(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)

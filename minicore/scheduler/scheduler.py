@@ -16,8 +16,9 @@ instead of being tested in every step: the scheduling policy (policies/: the wai
 and the preemption victim), the KV connector of prefill/decode disaggregation (remote_kv.py:
 NoRemoteKV without one), BalanceScheduler's admission gate (balance.py), the logprobs on the
 outputs (logprobs.py, one call per step), and speculative decoding (spec_decode.py: a running
-request's drafts are scheduled as part of its tokens; rejected ones are taken back after the step).
-Left out: encoders, LoRA, structured output, async scheduling.
+request's drafts are scheduled as part of its tokens; rejected ones are taken back after the step),
+and async scheduling (async_scheduler.py: the placeholders of tokens still in flight).
+Left out: encoders, LoRA, structured output.
 """
 
 import time
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING
 from minicore.config import CacheConfig, SchedulerConfig
 from minicore.protocol import EngineCoreEvent, EngineCoreEventType, EngineCoreOutput, SchedulerStats
 from minicore.request import Request, RequestStatus
+from minicore.scheduler.async_scheduler import NoPlaceholders, OutputPlaceholders
 from minicore.scheduler.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from minicore.scheduler.logprobs import add_logprobs
 from minicore.scheduler.output import (
@@ -91,6 +93,8 @@ class Scheduler:
         self.remote_kv = NoRemoteKV() if connector is None else ConnectorRemoteKV(self, connector)
         self.spec_decode = (NoSpecDecode() if speculative_config is None
                             else SpecDecode(speculative_config.num_speculative_tokens))
+        self.placeholders = (OutputPlaceholders() if scheduler_config.async_scheduling
+                             else NoPlaceholders())
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -204,6 +208,7 @@ class Scheduler:
                 step.cached_reqs.req_ids, self.requests),
         )
         self.finished_req_ids = set()
+        self.placeholders.after_schedule(output, self.requests)
         output.kv_connector_metadata = self.remote_kv.build_connector_meta(output)
         return output
 
@@ -219,7 +224,14 @@ class Scheduler:
         req_index = 0
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
-            num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
+            placeholders = request.num_output_placeholders
+            if placeholders and (request.num_computed_tokens + 2 - placeholders
+                                 >= self._max_num_tokens(request)):
+                # Async scheduling: the step in flight samples its last token; nothing after it.
+                req_index += 1
+                continue
+            num_new_tokens = (request.num_tokens_with_spec + placeholders
+                              - request.num_computed_tokens)
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             if num_new_tokens > token_budget:
@@ -240,6 +252,13 @@ class Scheduler:
             token_budget -= num_new_tokens
             req_index += 1
         return token_budget
+
+    def _max_num_tokens(self, request: Request) -> int:
+        """The length at which _check_stop ends the request."""
+        max_tokens = request.max_tokens
+        if max_tokens is None:
+            return self.max_model_len
+        return min(self.max_model_len, request.num_prompt_tokens + max_tokens)
 
     def _preempt_until_fits(self, step: _StepState, request: Request, num_new_tokens: int,
                             token_budget: int, req_index: int
@@ -358,7 +377,9 @@ class Scheduler:
         """Append sampled tokens, stop finished requests, free their blocks; return the new tokens
         per request. Outputs of requests aborted since schedule() are dropped."""
         sampled_token_ids = model_runner_output.sampled_token_ids
-        requests, check_stop = self.requests, self._check_stop
+        requests = self.placeholders.requests_to_update(scheduler_output, model_runner_output,
+                                                        self.requests)
+        check_stop = self._check_stop
         self.spec_decode.take_back_rejected(scheduler_output, model_runner_output, requests)
         outputs: list[EngineCoreOutput] = []
         finished: list[tuple[Request, RequestStatus, EngineCoreOutput]] = []
