@@ -199,18 +199,16 @@ class EngineConfig:
             raise ValueError(f"--async-scheduling does not support {reason}")
 
     def _async_unsupported(self) -> str | None:
-        """Why async scheduling cannot run with this config, if it cannot (vLLM refuses the
-        combinations it does not support the same way)."""
+        """What in this config async scheduling cannot run with (vLLM refuses such pairs too)."""
         if self.speculative_config is not None:
-            # The ngram drafter reads the tokens sampled last step on the scheduler's side; async
-            # scheduling has scheduled the next step before they arrive (vLLM: only EAGLE/MTP).
+            # The ngram drafter needs the last step's tokens before the next step is scheduled.
             return f"{self.speculative_config.method} speculative decoding"
         if self.kv_transfer_config is not None:
             return "a KV connector (--kv-transfer-config)"
         if (self.parallel_config.data_parallel_size > 1
                 and runner_info(self.model_config.runner).reports_step_time):
             return (f"the {self.model_config.runner} runner with --data-parallel-size > 1 (its "
-                    "forwards keep ranks in lockstep one step at a time)")
+                    "lockstep forwards)")
         return None
 
     def resolve_async_scheduling(self, device_type: str) -> bool:

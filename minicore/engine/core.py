@@ -4,15 +4,13 @@ Mirrors EngineCore in vllm/v1/engine/core.py: add_request, abort_requests, and i
 functions, bound once as step_fn: step() schedules, runs the model and updates the scheduler with
 what it sampled; with async scheduling, step_with_batch_queue() schedules and submits step N+1 to
 the forward thread while step N runs, and only then waits for N (the scheduler's placeholders:
-minicore/scheduler/async_scheduler.py). A KV connector
-is bound once, by bind_kv_connectors (minicore/kv_transfer/worker.py): its scheduler side goes to
-the Scheduler, its worker side wraps the runner's forward; without one, the forward is the
-runner's own.
-It then keeps stepping while the scheduler holds blocks for a peer or waits for remote KV, even
-with nothing to compute (Scheduler.has_requests). With --speculative-config a drafter
-(minicore/spec_decode/) proposes each request's draft tokens after the update, for the next step
-to verify. Left out: pipeline parallelism's deeper batch queue, the executor layer (one in-process
-runner on one thread), structured output, sleep mode and LoRA utilities.
+minicore/scheduler/async_scheduler.py). A KV connector is bound once, by bind_kv_connectors
+(minicore/kv_transfer/worker.py): its scheduler side goes to the Scheduler, its worker side wraps
+the runner's forward. It then keeps stepping while the scheduler holds blocks for a peer or waits
+for remote KV, even with nothing to compute (Scheduler.has_requests). With --speculative-config a
+drafter (minicore/spec_decode/) proposes each request's drafts after the update. Left out:
+pipeline parallelism's deeper batch queue, the executor layer (one in-process runner on one
+thread), structured output, sleep mode and LoRA utilities.
 """
 
 import logging
@@ -52,8 +50,7 @@ class EngineCore:
         self.scheduler = make_scheduler(config, self.kv_connectors.scheduler_side)
         # Proposes each request's drafts after a step (NoDrafter without --speculative-config).
         self.drafter = make_drafter(config)
-        # The forward's one thread (started on first use): it keeps the model's thread-local
-        # state in one place.
+        # The forward's one thread, started on first use: the model's thread-local state stays put.
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="EngineCore-forward")
         # Steps submitted and not yet updated from, newest first (vLLM: batch_queue).
         self.batch_queue: deque[tuple[Future, SchedulerOutput]] = deque()

@@ -16,6 +16,17 @@ from minicore.request import Request
 from minicore.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 
+def ends_in_flight(request: Request, max_model_len: int) -> bool:
+    """Whether the tokens in flight end the request by length, so that no step may follow
+    (vLLM's max_tokens skip; max_model_len included, which ends a request the same way)."""
+    # vLLM's (num_computed_tokens + 1) - (num_output_placeholders - 1): the length once the step
+    # in flight is back, counting one token for it (the rest of vLLM's placeholders are drafts).
+    length = request.num_computed_tokens + 2 - request.num_output_placeholders
+    max_tokens = request.max_tokens
+    return length >= max_model_len or (
+        max_tokens is not None and length >= request.num_prompt_tokens + max_tokens)
+
+
 class NoPlaceholders:
     """Without async scheduling: every step's output is back before the next is scheduled."""
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from minicore.config import CacheConfig, SchedulerConfig
 from minicore.protocol import EngineCoreEvent, EngineCoreEventType, EngineCoreOutput, SchedulerStats
 from minicore.request import Request, RequestStatus
-from minicore.scheduler.async_scheduler import NoPlaceholders, OutputPlaceholders
+from minicore.scheduler.async_scheduler import NoPlaceholders, OutputPlaceholders, ends_in_flight
 from minicore.scheduler.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from minicore.scheduler.logprobs import add_logprobs
 from minicore.scheduler.output import (
@@ -225,9 +225,7 @@ class Scheduler:
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
             placeholders = request.num_output_placeholders
-            if placeholders and (request.num_computed_tokens + 2 - placeholders
-                                 >= self._max_num_tokens(request)):
-                # Async scheduling: the step in flight samples its last token; nothing after it.
+            if placeholders and ends_in_flight(request, self.max_model_len):
                 req_index += 1
                 continue
             num_new_tokens = (request.num_tokens_with_spec + placeholders
@@ -252,13 +250,6 @@ class Scheduler:
             token_budget -= num_new_tokens
             req_index += 1
         return token_budget
-
-    def _max_num_tokens(self, request: Request) -> int:
-        """The length at which _check_stop ends the request."""
-        max_tokens = request.max_tokens
-        if max_tokens is None:
-            return self.max_model_len
-        return min(self.max_model_len, request.num_prompt_tokens + max_tokens)
 
     def _preempt_until_fits(self, step: _StepState, request: Request, num_new_tokens: int,
                             token_budget: int, req_index: int
