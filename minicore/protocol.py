@@ -43,7 +43,6 @@ class FinishReason(enum.IntEnum):
         return self.name.lower()
 
 
-# Sent as a raw frame (not msgpack) on the output socket when the engine dies of a fatal error.
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 
 

@@ -47,9 +47,8 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_id",
                  "arrival_time", "priority", "cache_salt", "status", "stop_reason",
                  "all_token_ids", "output_token_ids", "num_prompt_tokens", "num_tokens",
-                 "num_computed_tokens",
-                 "num_cached_tokens", "num_preemptions", "block_hashes", "kv_transfer_params",
-                 "events", "num_prompt_logprobs_sent", "spec_token_ids",
+                 "num_computed_tokens", "num_cached_tokens", "num_preemptions", "block_hashes",
+                 "kv_transfer_params", "events", "num_prompt_logprobs_sent", "spec_token_ids",
                  "num_output_placeholders")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],

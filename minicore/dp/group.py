@@ -16,12 +16,10 @@ per engine process. The collectives are the only way ranks talk during a wave:
 Each is a coroutine: the blocking call runs on one dedicated thread while the event loop keeps
 socket IO flowing, and the busy loop awaits each before it issues the next (minicore/dp/engine.py
 states their order). A dead peer fails the pending collective within a second or so; a hung one
-after timeout_s. The group is built by hand (a ProcessGroup with a ProcessGroupGloo backend, as
-vLLM's stateless_init_torch_distributed_process_group in vllm/distributed/utils.py), so that every
-socket binds the DP address only (docs/DATA_PARALLEL.md, "What a deployment exposes"). With expert
-parallelism the same ranks form a second group for the model's own collectives
-(new_expert_parallel_group). Left out: NCCL for the DP loop's own collectives (tiny; gloo runs
-everywhere).
+after timeout_s. The group is built by hand, so that every socket binds the DP address only
+(minicore/dp/process_groups.py). With expert parallelism the same ranks form a second group for
+the model's own collectives (new_expert_parallel_group). Left out: NCCL for the DP loop's own
+collectives (tiny; gloo runs everywhere).
 """
 
 import asyncio
@@ -31,8 +29,13 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed import PrefixStore, ProcessGroup, ProcessGroupGloo, TCPStore
+from torch.distributed import PrefixStore, ProcessGroup
 
+from minicore.dp.process_groups import (
+    create_tcp_store,
+    init_gloo_process_group,
+    init_nccl_process_group,
+)
 from minicore.utils import listen_on, local_address_towards
 
 
@@ -45,15 +48,13 @@ class DPGroup:
         timeout = self._timeout = timedelta(seconds=timeout_s)
         self._expert_parallel_groups: list[ProcessGroup] = []
         # Bound before the store exists: a port in use is an error now, not a timeout later.
-        listen_fd = (listen_on(address, port, "DP rank 0's rendezvous", "--data-parallel-rpc-port")
-                     .detach() if rank == 0 else None)
+        listen_socket = (listen_on(address, port, "DP rank 0's rendezvous",
+                                   "--data-parallel-rpc-port") if rank == 0 else None)
         try:
-            # The store owns listen_fd from here (it closes it when it goes).
-            self._store = TCPStore(address, port, world_size=size, is_master=rank == 0,
-                                   timeout=timeout, wait_for_workers=True,
-                                   master_listen_fd=listen_fd, use_libuv=True)
+            self._store = create_tcp_store(address, port, rank, size, timeout, listen_socket)
             self._bind_address = local_address_towards(address)
-            self._group = _gloo_group(self._store, rank, size, self._bind_address, timeout)
+            self._group = init_gloo_process_group(self._store, rank, size, self._bind_address,
+                                                  timeout)
         except (RuntimeError, OSError) as e:  # DistError is a RuntimeError
             raise RuntimeError(f"DP rank {rank} of {size}: the group at tcp://{address}:{port} did "
                                f"not come together within {timeout_s:g} s: {e}") from e
@@ -82,9 +83,10 @@ class DPGroup:
         shared with the DP loop's. Destroyed with this group."""
         store = PrefixStore("ep", self._store)
         if device.type == "cuda":
-            group = _nccl_group(store, self.rank, self.size, device, self._timeout)
+            group = init_nccl_process_group(store, self.rank, self.size, device, self._timeout)
         else:
-            group = _gloo_group(store, self.rank, self.size, self._bind_address, self._timeout)
+            group = init_gloo_process_group(store, self.rank, self.size, self._bind_address,
+                                            self._timeout)
         self._expert_parallel_groups.append(group)
         return group
 
@@ -129,37 +131,6 @@ class DPGroup:
             self._group.shutdown()
             # Rank 0's store stops listening once the last reference (the group's) goes.
             self._group = self._store = None
-
-
-def _gloo_group(store: TCPStore | PrefixStore, rank: int, size: int, bind_address: str,
-                timeout: timedelta) -> ProcessGroup:
-    """A gloo process group whose sockets listen on bind_address (torch's init_process_group
-    cannot say where: it ignores a gloo backend's options)."""
-    options = ProcessGroupGloo._Options()
-    options._timeout = timeout
-    options._devices = [ProcessGroupGloo.create_device(hostname=bind_address)]
-    backend = ProcessGroupGloo(store, rank, size, options)  # connects to every peer
-    backend._set_sequence_number_for_group()
-    group = ProcessGroup(store, rank, size)
-    group._set_default_backend(ProcessGroup.BackendType.GLOO)
-    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
-    return group
-
-
-def _nccl_group(store: PrefixStore, rank: int, size: int, device: torch.device,
-                timeout: timedelta) -> ProcessGroup:
-    """An NCCL process group on this rank's GPU, built by hand as vLLM's
-    stateless_init_torch_distributed_process_group does (untested here: no GPU was at hand)."""
-    from torch.distributed import ProcessGroupNCCL  # absent from CPU-only builds of torch
-
-    options = ProcessGroupNCCL.Options()
-    options._timeout = timeout
-    backend = ProcessGroupNCCL(store, rank, size, options)
-    backend._set_sequence_number_for_group()
-    group = ProcessGroup(store, rank, size)
-    group._set_default_backend(ProcessGroup.BackendType.NCCL)
-    group._register_backend(device, ProcessGroup.BackendType.NCCL, backend)
-    return group
 
 
 def _all_reduce_max(group: ProcessGroup, tensor: torch.Tensor) -> float:

@@ -9,7 +9,8 @@ only) and KV events.
 from dataclasses import dataclass, field
 
 from minicore.request import Request
-from minicore.scheduler.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from minicore.scheduler.block_pool import BlockPool
+from minicore.scheduler.kv_cache_utils import KVCacheBlock, update_block_hashes
 
 
 @dataclass(slots=True)
@@ -54,15 +55,6 @@ class KVCacheManager:
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         return KVCacheBlocks(list(self.req_to_blocks.get(request_id, ())))
 
-    def _update_block_hashes(self, request: Request) -> list[bytes]:
-        """Extend the request's chain hashes over every full block of known tokens."""
-        hashes, bs, tokens = request.block_hashes, self.block_size, request.all_token_ids
-        for i in range(len(hashes), len(tokens) // bs):
-            parent = hashes[i - 1] if i else None
-            extra = request.cache_salt.encode() if i == 0 and request.cache_salt else b""
-            hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], extra))
-        return hashes
-
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest run of cached full blocks from the request's start, and its length in
         tokens. The last token is always recomputed: the model must run on at least one token to
@@ -72,7 +64,7 @@ class KVCacheManager:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits = []
-        for block_hash in self._update_block_hashes(request)[:max_hit_blocks]:
+        for block_hash in update_block_hashes(request, self.block_size)[:max_hit_blocks]:
             block = self.block_pool.get_cached_block(block_hash)
             if block is None:
                 break
@@ -138,7 +130,7 @@ class KVCacheManager:
         num_full = num_tokens // self.block_size
         req_id = request.request_id
         start = self.num_cached_block.get(req_id, 0)
-        hashes = self._update_block_hashes(request)
+        hashes = update_block_hashes(request, self.block_size)
         for i in range(start, num_full):
             if blocks[i].block_hash is None:
                 self.block_pool.cache_block(blocks[i], hashes[i])

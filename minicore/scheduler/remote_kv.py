@@ -38,7 +38,7 @@ from minicore.scheduler.output import KVConnectorOutput
 
 if TYPE_CHECKING:
     from minicore.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata
-    from minicore.scheduler.block_pool import KVCacheBlock
+    from minicore.scheduler.kv_cache_utils import KVCacheBlock
     from minicore.scheduler.output import SchedulerOutput
     from minicore.scheduler.scheduler import Scheduler
 

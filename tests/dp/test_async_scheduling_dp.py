@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from dp_helpers import assert_all_engines_idle, dp_client, free_port_pair, wait_idle
-from test_expert_parallel_serving import MAX_NUM_SEQS, PLAN, greedy, served_tokens
+from test_expert_parallel_serving import MAX_NUM_SEQS, greedy, served_tokens
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))
 from server_helpers import ServerProcess  # noqa: E402
@@ -27,6 +27,9 @@ from minicore.llm import LLM  # noqa: E402
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 ENGINE_ARGS = dict(max_model_len=256, kv_cache_memory=16 << 20)
+# test_expert_parallel_serving.py's plan, with rank 0's requests longer: async steps are quicker,
+# and the gated request must reach rank 1 while rank 0 is still full.
+PLAN = [(0, 23, 120), (0, 5, 144), (0, 11, 96), (1, 9, 12)]
 TIMEOUT_S = 90
 
 
@@ -50,7 +53,8 @@ async def test_dp2_expert_parallel_with_async_scheduling_gives_the_tokens_of_one
                                   max_num_seqs=MAX_NUM_SEQS, async_scheduling=True,
                                   **ENGINE_ARGS)
     async with dp_client(config) as client:
-        got, rank1_waiting = await asyncio.wait_for(served_tokens(client, prompts), TIMEOUT_S)
+        got, rank1_waiting = await asyncio.wait_for(served_tokens(client, prompts, PLAN),
+                                                       TIMEOUT_S)
         await wait_idle(client)
         await assert_all_engines_idle(client)
     assert got == reference

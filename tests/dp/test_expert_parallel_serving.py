@@ -40,11 +40,14 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 
 
-async def served_tokens(client, prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
-    """Every request's tokens, in PLAN order, and rank 1's waiting counts from its frames."""
+async def served_tokens(client, prompts: list[list[int]], plan=PLAN
+                        ) -> tuple[list[list[int]], list[int]]:
+    """Every request's tokens, in plan order (rank 0's first, then the gated one, last), and rank
+    1's waiting counts from its frames."""
+    num_first = len(plan) - 1
 
     async def run(i: int) -> list[int]:
-        rank, _, max_tokens = PLAN[i]
+        rank, _, max_tokens = plan[i]
         outputs = [o async for o in client.generate(prompts[i], greedy(max_tokens), f"req-{i}",
                                                     data_parallel_rank=rank)]
         assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "length"
@@ -60,11 +63,11 @@ async def served_tokens(client, prompts: list[list[int]]) -> tuple[list[list[int
 
     client._process_outputs = tap
     try:
-        first = [asyncio.create_task(run(i)) for i in range(len(FIRST))]
+        first = [asyncio.create_task(run(i)) for i in range(num_first)]
         await wait_until(lambda: 0 in client.latest_stats
                          and client.latest_stats[0].num_running_reqs == MAX_NUM_SEQS, 10,
                          "rank 0 runs max_num_seqs requests")
-        gated = await run(len(FIRST))
+        gated = await run(num_first)
         return [*await asyncio.gather(*first), gated], rank1_waiting
     finally:
         del client._process_outputs

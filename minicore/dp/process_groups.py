@@ -1,0 +1,55 @@
+"""torch.distributed process groups built by hand: the rendezvous store, and a gloo or NCCL group
+on it.
+
+Mirrors create_tcp_store, init_gloo_process_group and the NCCL branch of
+stateless_init_torch_distributed_process_group (vllm/distributed/utils.py). By hand, so that every
+socket binds the DP address only (docs/DATA_PARALLEL.md, "What a deployment exposes"): the store
+takes over a socket bound beforehand (by itself it listens on every interface), and gloo gets a
+device made for that address (init_process_group ignores a gloo backend's options). The groups'
+collectives are minicore/dp/group.py's.
+"""
+
+import socket
+from datetime import timedelta
+
+import torch
+from torch.distributed import PrefixStore, ProcessGroup, ProcessGroupGloo, TCPStore
+
+
+def create_tcp_store(address: str, port: int, rank: int, size: int, timeout: timedelta,
+                     listen_socket: socket.socket | None) -> TCPStore:
+    """The group's rendezvous store at address:port, hosted by rank 0 on listen_socket (already
+    bound, which the store takes over and closes when it goes). Returns once every rank has
+    arrived; a RuntimeError (DistError) after timeout otherwise."""
+    listen_fd = listen_socket.detach() if listen_socket is not None else None
+    return TCPStore(address, port, world_size=size, is_master=rank == 0, timeout=timeout,
+                    wait_for_workers=True, master_listen_fd=listen_fd, use_libuv=True)
+
+
+def init_gloo_process_group(store: TCPStore | PrefixStore, rank: int, size: int,
+                            bind_address: str, timeout: timedelta) -> ProcessGroup:
+    """A gloo process group whose sockets listen on bind_address."""
+    options = ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [ProcessGroupGloo.create_device(hostname=bind_address)]
+    backend = ProcessGroupGloo(store, rank, size, options)  # connects to every peer
+    backend._set_sequence_number_for_group()
+    group = ProcessGroup(store, rank, size)
+    group._set_default_backend(ProcessGroup.BackendType.GLOO)
+    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
+    return group
+
+
+def init_nccl_process_group(store: PrefixStore, rank: int, size: int, device: torch.device,
+                            timeout: timedelta) -> ProcessGroup:
+    """An NCCL process group on this rank's GPU (untested here: no GPU was at hand)."""
+    from torch.distributed import ProcessGroupNCCL  # absent from CPU-only builds of torch
+
+    options = ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    backend = ProcessGroupNCCL(store, rank, size, options)
+    backend._set_sequence_number_for_group()
+    group = ProcessGroup(store, rank, size)
+    group._set_default_backend(ProcessGroup.BackendType.NCCL)
+    group._register_backend(device, ProcessGroup.BackendType.NCCL, backend)
+    return group
