@@ -99,8 +99,8 @@ class LLM:
     """LLM(model=None, **engine_args): model is a safetensors directory, a .gguf file, None for the
     default SmolLM2-135M-Instruct, or an already loaded transformers model (then pass tokenizer=).
     engine_args are EngineConfig fields by vLLM's names (max_num_seqs, max_model_len, block_size,
-    kv_cache_memory, enable_prefix_caching, scheduling_policy, dtype, ...), and vLLM's
-    speculative_config: a dict as --speculative-config's JSON, or a SpeculativeConfig."""
+    kv_cache_memory, enable_prefix_caching, scheduling_policy, dtype, async_scheduling, ...), and
+    vLLM's speculative_config: a dict as --speculative-config's JSON, or a SpeculativeConfig."""
 
     def __init__(self, model=None, tokenizer=None, **engine_args):
         if isinstance(tokenizer, str):  # vLLM's LLM(tokenizer=PATH): a directory, not an object
