@@ -14,6 +14,8 @@ from minicore.sampling_params import SamplingParams
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    # In the waiting queue while its grammar compiles (structured outputs); not admitted until then.
+    WAITING_FOR_FSM = enum.auto()
     # Parked with its blocks allocated while a KV connector loads its prompt's KV from another
     # instance (prefill/decode disaggregation); back to WAITING once it has arrived.
     WAITING_FOR_REMOTE_KVS = enum.auto()
@@ -49,7 +51,7 @@ class Request:
                  "all_token_ids", "output_token_ids", "num_prompt_tokens", "num_tokens",
                  "num_computed_tokens", "num_cached_tokens", "num_preemptions", "block_hashes",
                  "kv_transfer_params", "events", "num_prompt_logprobs_sent", "spec_token_ids",
-                 "num_output_placeholders")
+                 "num_output_placeholders", "structured_output_request")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_id: int | None = None,
@@ -93,6 +95,8 @@ class Request:
         # Tokens sampled by steps still in flight, counted in num_computed_tokens but not yet in
         # num_tokens (async scheduling; always 0 without it).
         self.num_output_placeholders = 0
+        # Its grammar and matcher (structured outputs: minicore/structured_output/manager.py).
+        self.structured_output_request = None
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest) -> "Request":

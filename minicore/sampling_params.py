@@ -1,8 +1,9 @@
 """SamplingParams: how one request samples and when it stops.
 
 Mirrors vllm/sampling_params.py, keeping the parameters minicore implements: sampling, penalties,
-min-p, logit bias, allowed/bad words, logprobs, stop conditions and detokenization switches (no beam
-search, structured output, extra_args or logits processors). Invalid values raise ValueError at
+min-p, logit bias, allowed/bad words, logprobs, stop conditions, detokenization switches and
+structured outputs (StructuredOutputsParams, in minicore/structured_output/params.py; no beam
+search, extra_args or logits processors). Invalid values raise ValueError at
 construction (minicore/sampling_checks.py), before anything reaches the scheduler: the engine
 decodes the same class from the wire, so a request it receives has passed the same checks.
 kv_transfer_params (prefill/decode disaggregation) is a JSON
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from minicore.sampling_checks import INT64_MIN, verify_sampling_params
+from minicore.structured_output.params import StructuredOutputsParams
 
 
 @dataclass(slots=True)
@@ -54,6 +56,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # bad_words tokenized by the InputProcessor (vLLM: _bad_words_token_ids); users leave it unset.
     bad_words_token_ids: list[list[int]] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         verify_sampling_params(self)

@@ -26,7 +26,9 @@ from minicore.model.runner_base import ModelRunnerInterface
 from minicore.protocol import EngineCoreOutput
 from minicore.request import Request, RequestStatus
 from minicore.scheduler import BalanceScheduler, Scheduler, SchedulerOutput
+from minicore.scheduler.structured_output import NO_STRUCTURED_OUTPUT
 from minicore.spec_decode import make_drafter
+from minicore.structured_output.manager import make_structured_output_manager
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +49,12 @@ class EngineCore:
         _check_kv_cache_fits(config)
         self.kv_connectors = bind_kv_connectors(config, self.model_runner)
         self.execute_model = self.kv_connectors.execute_model
-        self.scheduler = make_scheduler(config, self.kv_connectors.scheduler_side)
+        # Compiles grammars off the loop, masks and advances them (structured outputs).
+        self.structured_output_manager = make_structured_output_manager(
+            config, self.model_runner, self.runner_info.has_logits)
+        self.scheduler = make_scheduler(config, self.kv_connectors.scheduler_side,
+                                        self.structured_output_manager.scheduler_side)
+        self.structured_output_manager.bind(self.scheduler)
         # Proposes each request's drafts after a step (NoDrafter without --speculative-config).
         self.drafter = make_drafter(config)
         # The forward's one thread, started on first use: the model's thread-local state stays put.
@@ -81,6 +88,7 @@ class EngineCore:
                                  self.config.model_config.max_logprobs,
                                  self.runner_info.has_logits)
         self.scheduler.remote_kv.validate_request(request)
+        self.structured_output_manager.grammar_init(request)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -137,16 +145,18 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.structured_output_manager.shutdown()
         self.kv_connectors.shutdown()
 
 
-def make_scheduler(config: EngineConfig, connector: KVConnectorBase_V1 | None = None) -> Scheduler:
+def make_scheduler(config: EngineConfig, connector: KVConnectorBase_V1 | None = None,
+                   structured_output_manager=NO_STRUCTURED_OUTPUT) -> Scheduler:
     if config.scheduler_config.balance_scheduling:
         return BalanceScheduler(config.scheduler_config, config.cache_config,
                                 config.parallel_config.data_parallel_size, connector,
-                                config.speculative_config)
+                                config.speculative_config, structured_output_manager)
     return Scheduler(config.scheduler_config, config.cache_config, connector,
-                     config.speculative_config)
+                     config.speculative_config, structured_output_manager)
 
 
 def _check_kv_cache_fits(config: EngineConfig) -> None:

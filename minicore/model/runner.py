@@ -34,7 +34,7 @@ from minicore.model.logprobs import LogprobsOutput
 from minicore.model.native import native_kernels
 from minicore.model.rejection_sampler import SpecDecodeSampler
 from minicore.model.runner_base import CachedRequestState, ModelRunnerBase
-from minicore.model.sampler import SamplingMetadata, sample
+from minicore.model.sampler import SamplingMetadata, apply_grammar_bitmask, sample
 from minicore.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -134,6 +134,9 @@ class ModelRunner(ModelRunnerBase):
             state = self.requests[req_id]
             state.token_ids.extend(draft_token_ids)
             state.spec_token_ids = draft_token_ids
+        # A structured request's allowed tokens this step: its row of the grammar bitmask.
+        for req_id, row in so.structured_output_request_ids.items():
+            self.requests[req_id].grammar_bitmask = so.grammar_bitmask[row]
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -172,8 +175,9 @@ class ModelRunner(ModelRunnerBase):
         """Sample the rows whose last position is their newest token; fill output's sampled
         tokens and, for rows that asked, their logprobs."""
         logits = self._logits(hidden[[query_start_loc[row + 1] - 1 for row in rows]])
-        metadata = SamplingMetadata.from_states([states[row] for row in rows], self.vocab_size,
-                                                self.device)
+        sampling_states = [states[row] for row in rows]
+        apply_grammar_bitmask(logits, sampling_states)
+        metadata = SamplingMetadata.from_states(sampling_states, self.vocab_size, self.device)
         result = sample(logits, metadata)
         for row, token in zip(rows, result.sampled.tolist()):
             states[row].token_ids.append(token)

@@ -246,6 +246,24 @@ def _mask_pairs(logits: torch.Tensor, rows: list[int], token_ids: list[int]) -> 
                torch.tensor(token_ids, device=logits.device)] = _NEG_INF
 
 
+def apply_grammar_bitmask(logits: torch.Tensor, states: Sequence[CachedRequestState]) -> None:
+    """Mask in place what each structured row's grammar forbids: bit j of word i of its bitmask
+    row allows token 32 i + j (xgrammar's layout). Before sampling and logprobs, as vLLM's runner
+    applies it (apply_grammar_bitmask in vllm/v1/structured_output/utils.py)."""
+    rows = [(row, s.grammar_bitmask) for row, s in enumerate(states)
+            if s.grammar_bitmask is not None]
+    if not rows:
+        return
+    index = torch.tensor([row for row, _ in rows], device=logits.device)
+    bits = torch.stack([bitmask for _, bitmask in rows]).to(logits.device)
+    allowed = ((bits.unsqueeze(-1) >> _BIT_SHIFTS.to(logits.device)) & 1).reshape(len(rows), -1)
+    forbidden = allowed[:, :logits.shape[-1]] == 0
+    logits[index] = logits[index].masked_fill(forbidden, _NEG_INF)
+
+
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
 def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """What may change even a greedy row's choice, in vLLM's order: allowed ids, bad words,
     min_tokens, logit_bias, penalties."""

@@ -19,12 +19,15 @@ Thresholds, and their history upstream:
 
 from minicore.config import CacheConfig, SchedulerConfig
 from minicore.scheduler.scheduler import Scheduler
+from minicore.scheduler.structured_output import NO_STRUCTURED_OUTPUT
 
 
 class BalanceScheduler(Scheduler):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 dp_size: int = 1, connector=None, speculative_config=None):
-        super().__init__(scheduler_config, cache_config, connector, speculative_config)
+                 dp_size: int = 1, connector=None, speculative_config=None,
+                 structured_output_manager=NO_STRUCTURED_OUTPUT):
+        super().__init__(scheduler_config, cache_config, connector, speculative_config,
+                         structured_output_manager)
         # len(running) of every DP rank after the previous step, assigned as a plain list by the
         # DP group (or by hand in tests). Only its maximum is read, so the DP group may assign
         # just [maximum] (--balance-count-sync all-reduce-max).

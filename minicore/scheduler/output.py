@@ -62,6 +62,10 @@ class SchedulerOutput:
     # Per request with drafts this step, the draft tokens its scheduled run ends with (after its
     # newest token); the runner verifies them.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Structured outputs: each structured request's row in grammar_bitmask, a [rows, ceil(V / 32)]
+    # int32 tensor of allowed-token bits (vLLM: GrammarOutput); empty and None without any.
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    grammar_bitmask: Any = None
 
 
 @dataclass(slots=True)

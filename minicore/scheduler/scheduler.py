@@ -11,14 +11,12 @@ benchmarks/vllm_differential.py; docs/FIDELITY.md gives the figures. Two deliber
 a priority-policy victim preempted after being scheduled in the same step leaves no never-computed
 block in the prefix cache (vLLM 0.32 leaves their hashes registered, so a later request can hit KV
 that was never written), and finish_requests frees in the order given (vLLM: set order).
-Features outside the core bind once, at construction, as components with do-nothing defaults,
-instead of being tested in every step: the scheduling policy (policies/: the waiting queue's order
-and the preemption victim), the KV connector of prefill/decode disaggregation (remote_kv.py:
-NoRemoteKV without one), BalanceScheduler's admission gate (balance.py), the logprobs on the
-outputs (logprobs.py, one call per step), and speculative decoding (spec_decode.py: a running
-request's drafts are scheduled as part of its tokens; rejected ones are taken back after the step),
-and async scheduling (async_scheduler.py: the placeholders of tokens still in flight).
-Left out: encoders, LoRA, structured output.
+Features outside the core bind once, at construction, as components with do-nothing defaults:
+the scheduling policy (policies/), the KV connector (remote_kv.py), BalanceScheduler's gate
+(balance.py), logprobs (logprobs.py), speculative decoding (spec_decode.py), async scheduling's
+placeholders (async_scheduler.py) and structured outputs (structured_output.py: a request waits
+as WAITING_FOR_FSM until its grammar compiles; the step carries the grammar bitmask).
+Left out: encoders, LoRA.
 """
 
 import time
@@ -40,6 +38,7 @@ from minicore.scheduler.output import (
 from minicore.scheduler.policies import get_policy
 from minicore.scheduler.remote_kv import ConnectorRemoteKV, NoRemoteKV
 from minicore.scheduler.spec_decode import DraftTokenIds, NoSpecDecode, SpecDecode
+from minicore.scheduler.structured_output import NO_STRUCTURED_OUTPUT
 
 if TYPE_CHECKING:
     from minicore.kv_transfer.base import KVConnectorBase_V1
@@ -47,7 +46,7 @@ if TYPE_CHECKING:
 
 RUNNING = RequestStatus.RUNNING
 # The statuses of the requests in the waiting queue (a parked one, WAITING_FOR_REMOTE_KVS, is not).
-IN_WAITING_QUEUE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+IN_WAITING_QUEUE = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_FSM, RequestStatus.PREEMPTED)
 # Shared by every request that needs no new block this step (most decode steps): one allocation
 # less per request per step.
 NO_NEW_BLOCKS: tuple[int, ...] = ()
@@ -71,7 +70,8 @@ class _StepState:
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  connector: "KVConnectorBase_V1 | None" = None,
-                 speculative_config: "SpeculativeConfig | None" = None):
+                 speculative_config: "SpeculativeConfig | None" = None,
+                 structured_output_manager=NO_STRUCTURED_OUTPUT):
         if cache_config.num_blocks is None:
             raise ValueError("cache_config.num_blocks must be set before building a Scheduler")
         self.scheduler_config = scheduler_config
@@ -95,6 +95,7 @@ class Scheduler:
                             else SpecDecode(speculative_config.num_speculative_tokens))
         self.placeholders = (OutputPlaceholders() if scheduler_config.async_scheduling
                              else NoPlaceholders())
+        self.structured_output_manager = structured_output_manager
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -142,9 +143,8 @@ class Scheduler:
 
     def has_requests(self) -> bool:
         """Whether the engine must keep stepping: unfinished requests, finished ones whose blocks
-        a KV connector holds, finished ones the runner has not been told of (one more step
-        carries them, so that it drops their state), or connector state not yet sent to its
-        worker side (vLLM: Scheduler.has_requests)."""
+        a KV connector holds or that the runner has not been told of (one more step carries
+        them), or connector state not yet sent to its worker side (vLLM: has_requests)."""
         return (bool(self.requests) or bool(self.finished_req_ids)
                 or self.remote_kv.has_pending_requests())
 
@@ -190,6 +190,7 @@ class Scheduler:
         # chunk can be scheduled before this step's output is back. The output records the counts
         # from before this step.
         self.remote_kv.promote_received()
+        self.structured_output_manager.promote_compiled()
         threshold = self.scheduler_config.long_prefill_token_threshold
         step = _StepState(threshold if len(self.running) + len(self.waiting) > 1 else 0,
                           time.monotonic())
@@ -209,6 +210,7 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         self.placeholders.after_schedule(output, self.requests)
+        self.structured_output_manager.grammar_bitmask(output, self.requests)
         output.kv_connector_metadata = self.remote_kv.build_connector_meta(output)
         return output
 
@@ -258,13 +260,11 @@ class Scheduler:
         retrying after each, until it fits. Returns the new blocks (None once request itself was
         the victim: the running pass then stops) with the updated token_budget and req_index.
 
-        The victim may have been scheduled earlier in this step. Not under FCFS: its victim is the
-        last running request, so never one before request. But another policy's victim (the
-        priority policy's worst request) may be anywhere in running, before req_index too. Such a
-        victim is unscheduled: its tokens go back to the budget, it leaves num_scheduled_tokens and
+        The victim may have been scheduled earlier in this step: not under FCFS (its victim is the
+        last running request), but the priority policy's may be anywhere in running. Such a victim
+        is unscheduled: its tokens go back to the budget, it leaves num_scheduled_tokens and
         cached_reqs, the blocks it was about to fill lose their hashes (their KV will never be
-        computed, so no later request may hit them in the prefix cache), and req_index moves back
-        one, since removing it from running shifted request one place to the left.
+        computed: no later request may hit them), and req_index moves back one (running shifted).
         """
         kv = self.kv_cache_manager
         while True:
@@ -300,6 +300,8 @@ class Scheduler:
         comes from another instance), or None, having changed nothing, to stop admission for this
         step: without chunked prefill a prompt that does not fit the budget stops it, and so does
         one the KV cache has no room for."""
+        if request.status is RequestStatus.WAITING_FOR_FSM:
+            return None  # its grammar still compiles: it keeps its place in the queue
         kv = self.kv_cache_manager
         # Only a request whose KV a connector loaded comes back with computed tokens: its blocks are
         # allocated and its prefix-cache query counted already.
@@ -350,23 +352,20 @@ class Scheduler:
         not looked at here: the sampler masks EOS and the stop ids until min_tokens outputs exist,
         so they cannot arrive before."""
         params = request.sampling_params
-        output_token_ids = request.output_token_ids
-        num_output_tokens = len(output_token_ids)
-        last_token_id = output_token_ids[-1]
+        last_token_id = request.output_token_ids[-1]
         if last_token_id == request.eos_token_id and not params.ignore_eos:
             return RequestStatus.FINISHED_STOPPED
         if last_token_id in params.stop_token_ids:
             request.stop_reason = last_token_id
             return RequestStatus.FINISHED_STOPPED
-        if ((params.max_tokens is not None and num_output_tokens >= params.max_tokens)
+        if ((params.max_tokens is not None and request.num_output_tokens >= params.max_tokens)
                 or request.num_tokens >= self.max_model_len):
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Append sampled tokens, stop finished requests, free their blocks; return the new tokens
-        per request. Outputs of requests aborted since schedule() are dropped."""
+        """Append sampled tokens, finish stopped requests; the new tokens of the live requests."""
         sampled_token_ids = model_runner_output.sampled_token_ids
         requests = self.placeholders.requests_to_update(scheduler_output, model_runner_output,
                                                         self.requests)
@@ -394,6 +393,7 @@ class Scheduler:
             if status:
                 finished.append((request, status, output))
         add_logprobs(outputs, requests, scheduler_output, model_runner_output)
+        self.structured_output_manager.accept_tokens(outputs, requests)
         if finished:
             self._finish(finished)
         self.remote_kv.update_from_kv_xfer_finished(model_runner_output.kv_connector_output)

@@ -1,0 +1,186 @@
+"""StructuredOutputManager: compiles each structured request's grammar off the busy loop, fills the
+grammar bitmask of a step, and advances each request's matcher with what it sampled.
+
+Mirrors vllm/v1/structured_output/__init__.py (StructuredOutputManager) with its xgrammar backend
+(backend_xgrammar.py) and StructuredOutputRequest (request.py). EngineCore.add_request calls
+grammar_init: the request waits in the queue as WAITING_FOR_FSM while a thread compiles its
+grammar (xgrammar's GrammarCompiler, whose cache is keyed by the grammar's text, as vLLM's); the
+scheduler calls promote_compiled, grammar_bitmask and accept_tokens
+(minicore/scheduler/structured_output.py). The runner's sampler masks the logits with the bitmask
+(minicore/model/sampler.py). xgrammar and its tokenizer table load on the first structured request.
+Left out: the guidance and outlines backends, structural tags, reasoning parsers, and drafts
+(structured outputs are refused with speculative decoding and with async scheduling, whose next
+step is scheduled before the matcher has seen this step's token).
+"""
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from minicore.protocol import EngineCoreOutput
+from minicore.request import FinishReason, Request, RequestStatus
+from minicore.scheduler.output import SchedulerOutput
+from minicore.scheduler.structured_output import NO_STRUCTURED_OUTPUT
+from minicore.structured_output.params import StructuredOutputsParams, build_grammar
+
+logger = logging.getLogger(__name__)
+
+# vLLM's VLLM_XGRAMMAR_CACHE_MB default.
+CACHE_LIMIT_BYTES = 512 << 20
+
+
+@dataclass(slots=True, eq=False)
+class StructuredOutputRequest:
+    """A request's constraint, its compiled grammar (a future until compiled) and its matcher."""
+    params: StructuredOutputsParams
+    compiled: Future
+    matcher: object = None
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.compiler = None  # built by the first structured request
+        # One thread: xgrammar compiles in C++ without the GIL, off the busy loop.
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._compiling: list[Request] = []
+        # Requests whose grammar did not compile, with the error, until the next update ends them.
+        self._failed: list[tuple[Request, str]] = []
+        # Scheduler.finish_requests, bound once the scheduler exists.
+        self.finish_requests = None
+        self.scheduler_side = self
+
+    def bind(self, scheduler) -> None:
+        self.finish_requests = scheduler.finish_requests
+
+    def grammar_init(self, request: Request) -> None:
+        """Start compiling the request's grammar, if it has one; it waits as WAITING_FOR_FSM."""
+        params = request.sampling_params.structured_outputs
+        if params is None:
+            return
+        if self.compiler is None:
+            self.compiler = _make_compiler(self.tokenizer, self.vocab_size)
+        request.structured_output_request = StructuredOutputRequest(
+            params, self.executor.submit(self._compile, params))
+        request.status = RequestStatus.WAITING_FOR_FSM
+        self._compiling.append(request)
+
+    def _compile(self, params: StructuredOutputsParams):
+        return self.compiler.compile_grammar(build_grammar(params))
+
+    def promote_compiled(self) -> None:
+        """WAITING_FOR_FSM -> WAITING for each request whose grammar is ready (on the scheduler's
+        thread: an abort may have finished it meanwhile)."""
+        if not self._compiling:
+            return
+        still = []
+        for request in self._compiling:
+            so_request = request.structured_output_request
+            if not so_request.compiled.done():
+                still.append(request)
+            elif request.status is RequestStatus.WAITING_FOR_FSM:
+                self._start_matcher(request, so_request)
+        self._compiling = still
+
+    def _start_matcher(self, request: Request, so_request: StructuredOutputRequest) -> None:
+        import xgrammar as xgr
+
+        try:
+            so_request.matcher = xgr.GrammarMatcher(so_request.compiled.result())
+        except Exception as e:  # the frontend's check passed, so rare: that request alone fails
+            self._failed.append((request, str(e).strip().split("\n")[-1]))
+            return
+        request.status = RequestStatus.WAITING
+
+    def grammar_bitmask(self, scheduler_output: SchedulerOutput,
+                        requests: dict[str, Request]) -> None:
+        """A bitmask row for each scheduled request with a matcher (vLLM: get_grammar_bitmask)."""
+        rows = {}
+        for req_id in scheduler_output.num_scheduled_tokens:
+            if requests[req_id].structured_output_request is not None:
+                rows[req_id] = len(rows)
+        if not rows:
+            return
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        for req_id, row in rows.items():
+            requests[req_id].structured_output_request.matcher.fill_next_token_bitmask(bitmask, row)
+        scheduler_output.structured_output_request_ids = rows
+        scheduler_output.grammar_bitmask = bitmask
+
+    def accept_tokens(self, outputs: list[EngineCoreOutput],
+                      requests: dict[str, Request]) -> None:
+        """Advance each structured request's matcher with the tokens it sampled this step; end
+        with an error each request whose grammar did not compile."""
+        for output in outputs:
+            so_request = requests[output.request_id].structured_output_request
+            if so_request is None or so_request.matcher.is_terminated():
+                continue
+            for token_id in output.new_token_ids:
+                if not so_request.matcher.accept_token(token_id):
+                    logger.error("request %r: the grammar refused token %d", output.request_id,
+                                 token_id)
+                    break
+        if self._failed:
+            self._end_failed(outputs)
+
+    def _end_failed(self, outputs: list[EngineCoreOutput]) -> None:
+        failed, self._failed = self._failed, []
+        failed = [(r, message) for r, message in failed if not r.is_finished()]
+        self.finish_requests([r.request_id for r, _ in failed], RequestStatus.FINISHED_ABORTED)
+        for request, message in failed:
+            logger.error("request %r: its grammar did not compile: %s", request.request_id,
+                         message)
+            kind = request.structured_output_request.params.kind
+            outputs.append(EngineCoreOutput(request.request_id, [], FinishReason.ERROR,
+                                            error_message=f"invalid structured_outputs.{kind}: "
+                                                          f"{message}"))
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+class RefusedStructuredOutput:
+    """Where structured outputs cannot run (with drafts or async scheduling): a structured
+    request is refused at add_request, with the reason; the scheduler gets the do-nothing side."""
+    scheduler_side = NO_STRUCTURED_OUTPUT
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def bind(self, scheduler) -> None:
+        pass
+
+    def grammar_init(self, request: Request) -> None:
+        if request.sampling_params.structured_outputs is not None:
+            raise ValueError(f"structured outputs are not supported with {self.reason}")
+
+    def shutdown(self) -> None:
+        pass
+
+
+def make_structured_output_manager(config, model_runner, has_logits: bool):
+    """The engine's manager: none for a runner without logits (the InputProcessor refuses such
+    requests there), a refusing one with drafts or async scheduling, else xgrammar's."""
+    if not has_logits:
+        return _NoManager()
+    if config.speculative_config is not None:
+        return RefusedStructuredOutput("--speculative-config")
+    if config.scheduler_config.async_scheduling:
+        return RefusedStructuredOutput("--async-scheduling")
+    return StructuredOutputManager(model_runner.tokenizer, model_runner.vocab_size)
+
+
+class _NoManager(RefusedStructuredOutput):
+    def __init__(self):
+        super().__init__("a runner without logits")
+
+
+def _make_compiler(tokenizer, vocab_size: int):
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True,
+                               cache_limit_bytes=CACHE_LIMIT_BYTES)
