@@ -42,6 +42,12 @@ pip install -e ".[test]"
 if ! "$VENV/bin/python" -c "import nixl._api" 2>/dev/null; then
     pip install --no-deps "nixl-cu12==1.5.1" "nixl==1.5.1"
 fi
+# xgrammar, for structured outputs (minicore/structured_output/): --no-deps, since its metadata
+# pulls triton (several hundred MB), which only its CUDA mask kernel uses; its other dependencies
+# (torch, transformers, pydantic, numpy) are here already, apache-tvm-ffi is its runtime.
+if ! "$VENV/bin/python" -c "import xgrammar" 2>/dev/null; then
+    pip install --no-deps "xgrammar==0.2.8" "apache-tvm-ffi==0.1.15.post2"
+fi
 if [ $gpu = 0 ]; then
     if "$VENV/bin/python" -m pip list 2>/dev/null | grep -qi '^nvidia-'; then
         echo "setup: NVIDIA packages found in $VENV on a CPU machine; something pulled CUDA" >&2
