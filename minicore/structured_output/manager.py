@@ -67,7 +67,11 @@ class StructuredOutputManager:
         self._compiling.append(request)
 
     def _compile(self, params: StructuredOutputsParams):
-        return self.compiler.compile_grammar(build_grammar(params))
+        grammar = build_grammar(params)  # ValueError naming the field
+        try:
+            return self.compiler.compile_grammar(grammar)
+        except RuntimeError as e:
+            raise ValueError(f"invalid structured_outputs.{params.kind}: {e}") from None
 
     def promote_compiled(self) -> None:
         """WAITING_FOR_FSM -> WAITING for each request whose grammar is ready (on the scheduler's
@@ -88,8 +92,8 @@ class StructuredOutputManager:
 
         try:
             so_request.matcher = xgr.GrammarMatcher(so_request.compiled.result())
-        except Exception as e:  # the frontend's check passed, so rare: that request alone fails
-            self._failed.append((request, str(e).strip().split("\n")[-1]))
+        except ValueError as e:  # the frontend's check passed, so rare: that request alone fails
+            self._failed.append((request, str(e)))
             return
         request.status = RequestStatus.WAITING
 
@@ -133,10 +137,8 @@ class StructuredOutputManager:
         for request, message in failed:
             logger.error("request %r: its grammar did not compile: %s", request.request_id,
                          message)
-            kind = request.structured_output_request.params.kind
             outputs.append(EngineCoreOutput(request.request_id, [], FinishReason.ERROR,
-                                            error_message=f"invalid structured_outputs.{kind}: "
-                                                          f"{message}"))
+                                            error_message=message))
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -54,11 +54,10 @@ class StructuredOutputsParams:
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-def choice_regex(choices: list[str]) -> str:
-    """A regex matching exactly one of the strings (vLLM turns a choice into such a grammar)."""
-    import re
-
-    return "(" + "|".join(re.escape(c) for c in choices) + ")"
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar of exactly one of the strings (vLLM's choice_as_grammar)."""
+    quoted = (c.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") for c in choices)
+    return "root ::= " + " | ".join(f'"{c}"' for c in quoted)
 
 
 def build_grammar(params: StructuredOutputsParams):
@@ -72,12 +71,13 @@ def build_grammar(params: StructuredOutputsParams):
             schema = params.json if isinstance(params.json, str) else json_module.dumps(params.json)
             return xgr.Grammar.from_json_schema(
                 schema, any_whitespace=not params.disable_any_whitespace)
-        if kind == "json_object":
-            return xgr.Grammar.builtin_json_grammar()
+        if kind == "json_object":  # an object, as vLLM compiles it (not any JSON value)
+            return xgr.Grammar.from_json_schema(
+                '{"type": "object"}', any_whitespace=not params.disable_any_whitespace)
         if kind == "regex":
             return xgr.Grammar.from_regex(params.regex)
         if kind == "choice":
-            return xgr.Grammar.from_regex(choice_regex(params.choice))
+            return xgr.Grammar.from_ebnf(choice_grammar(params.choice))
         return xgr.Grammar.from_ebnf(params.grammar)
     except RuntimeError as e:
         # xgrammar's message starts with a timestamp and its C++ source position.
