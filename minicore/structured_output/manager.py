@@ -45,6 +45,8 @@ class StructuredOutputManager:
         # One thread: xgrammar compiles in C++ without the GIL, off the busy loop.
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self._compiling: list[Request] = []
+        # Every unfinished structured request: the per-step work walks these, not the batch.
+        self._structured: list[Request] = []
         # Requests whose grammar did not compile, with the error, until the next update ends them.
         self._failed: list[tuple[Request, str]] = []
         # Scheduler.finish_requests, bound once the scheduler exists.
@@ -65,6 +67,7 @@ class StructuredOutputManager:
             params, self.executor.submit(self._compile, params))
         request.status = RequestStatus.WAITING_FOR_FSM
         self._compiling.append(request)
+        self._structured.append(request)
 
     def _compile(self, params: StructuredOutputsParams):
         grammar = build_grammar(params)  # ValueError naming the field
@@ -100,10 +103,13 @@ class StructuredOutputManager:
     def grammar_bitmask(self, scheduler_output: SchedulerOutput,
                         requests: dict[str, Request]) -> None:
         """A bitmask row for each scheduled request with a matcher (vLLM: get_grammar_bitmask)."""
-        rows = {}
-        for req_id in scheduler_output.num_scheduled_tokens:
-            if requests[req_id].structured_output_request is not None:
-                rows[req_id] = len(rows)
+        if not self._structured:
+            return
+        self._structured = [r for r in self._structured if not r.is_finished()]
+        scheduled = scheduler_output.num_scheduled_tokens
+        rows = {r.request_id: n for n, r in enumerate(
+            r for r in self._structured if r.request_id in scheduled
+            and requests.get(r.request_id) is r)}
         if not rows:
             return
         import xgrammar as xgr
@@ -118,6 +124,8 @@ class StructuredOutputManager:
                       requests: dict[str, Request]) -> None:
         """Advance each structured request's matcher with the tokens it sampled this step; end
         with an error each request whose grammar did not compile."""
+        if not self._structured:
+            return
         for output in outputs:
             so_request = requests[output.request_id].structured_output_request
             if so_request is None or so_request.matcher.is_terminated():
@@ -167,17 +175,12 @@ def make_structured_output_manager(config, model_runner, has_logits: bool):
     """The engine's manager: none for a runner without logits (the InputProcessor refuses such
     requests there), a refusing one with drafts or async scheduling, else xgrammar's."""
     if not has_logits:
-        return _NoManager()
+        return RefusedStructuredOutput("a runner without logits")
     if config.speculative_config is not None:
         return RefusedStructuredOutput("--speculative-config")
     if config.scheduler_config.async_scheduling:
         return RefusedStructuredOutput("--async-scheduling")
     return StructuredOutputManager(model_runner.tokenizer, model_runner.vocab_size)
-
-
-class _NoManager(RefusedStructuredOutput):
-    def __init__(self):
-        super().__init__("a runner without logits")
 
 
 def _make_compiler(tokenizer, vocab_size: int):
