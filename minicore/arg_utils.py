@@ -151,6 +151,18 @@ def flag(default, help: str, **cli) -> Any:
 RUNTIME = {"cli": False}
 
 
+def config_record(cls: type, value, name: str):
+    """A config record from its flag's JSON text, a keyword's dict, or the record itself;
+    ValueError naming the flag's field and the bad key or value."""
+    if isinstance(value, cls):
+        return value
+    try:
+        kwargs = json_object(value, cls)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+    return cls(**kwargs)
+
+
 def json_object(value: str | dict, cls: type) -> dict:
     """The keyword arguments of dataclass cls in a config-valued flag's JSON text or a keyword's
     dict (vLLM parses those flags from JSON too); ValueError for text that is not JSON, a value

@@ -12,11 +12,18 @@ and parallel_config.data_parallel_rank (each engine process, for its own rank).
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
-from minicore.arg_utils import RUNTIME, flag, human_readable_int, human_readable_int_or_auto
+from minicore.arg_utils import (
+    RUNTIME,
+    config_record,
+    flag,
+    human_readable_int,
+    human_readable_int_or_auto,
+)
 from minicore.kv_transfer.config import KVTransferConfig
 from minicore.model.config import ModelConfig
 from minicore.model.registry import MODEL_RUNNERS, runner_info
 from minicore.spec_decode.config import SpeculativeConfig
+from minicore.structured_output.config import StructuredOutputsConfig
 
 BalanceThreshold = Literal["full", "one-short"]
 BalanceCountSync = Literal["all-gather", "all-reduce-max"]
@@ -181,6 +188,8 @@ class EngineConfig:
     # Prefill/decode disaggregation's settings, kept in their own record (vLLM: VllmConfig's).
     kv_transfer_config: KVTransferConfig | None = None
     speculative_config: SpeculativeConfig | None = None
+    structured_outputs_config: StructuredOutputsConfig = field(
+        default_factory=StructuredOutputsConfig)
 
     def __post_init__(self):
         if self.scheduler_config.balance_scheduling and self.parallel_config.data_parallel_size < 2:
@@ -235,7 +244,11 @@ def create_engine_config(**kwargs) -> EngineConfig:
         kwargs["policy"] = kwargs.pop("scheduling_policy")
     parts = {"kv_transfer_config": kwargs.pop("kv_transfer_config", None)}
     if (speculative := kwargs.pop("speculative_config", None)) is not None:
-        parts["speculative_config"] = SpeculativeConfig.from_json(speculative)
+        parts["speculative_config"] = config_record(SpeculativeConfig, speculative,
+                                                    "speculative_config")
+    if (structured := kwargs.pop("structured_outputs_config", None)) is not None:
+        parts["structured_outputs_config"] = config_record(StructuredOutputsConfig, structured,
+                                                           "structured_outputs_config")
     for name, cls, _ in SUB_CONFIGS:
         names = {f.name for f in fields(cls)}
         parts[name] = cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})

@@ -1,6 +1,6 @@
 """The scheduler's side of structured outputs, pure Python, with a fake grammar: a request whose
-grammar compiles waits in the queue as WAITING_FOR_FSM and is not admitted until it is ready
-(nor is anything behind it); an abort while it compiles frees nothing because it holds nothing;
+grammar compiles waits in the queue as WAITING_FOR_FSM, passed over (those behind it run) but
+keeping its place, until it is ready; an abort while it compiles frees nothing because it holds nothing;
 each step's output carries a bitmask row for its scheduled structured requests only; and each
 matcher sees every sampled token once, in order, through preemption and resume."""
 
@@ -65,18 +65,31 @@ def add_structured(s, manager, request):
     s.add_request(request)
 
 
-def test_a_request_waits_for_its_grammar_and_holds_the_queue_behind_it():
-    s, manager = scheduler_with_manager()
+def test_a_request_waits_for_its_grammar_while_those_behind_it_run_and_keeps_its_place():
+    s, manager = scheduler_with_manager(max_num_seqs=3)
     add_structured(s, manager, make_request("a", 6, max_tokens=3))
     s.add_request(make_request("b", 4, max_tokens=3))
+    s.add_request(make_request("c", 5, max_tokens=3))
     st = step(s)
-    assert st.scheduled == {} and s.requests["a"].status == RequestStatus.WAITING_FOR_FSM
-    assert s.get_request_counts() == (0, 2) and s.has_unfinished_requests()
+    assert st.scheduled == {"b": 4, "c": 5}
+    assert s.requests["a"].status == RequestStatus.WAITING_FOR_FSM
+    assert s.get_request_counts() == (2, 1) and s.waiting.peek_request().request_id == "a"
+    assert st.out.structured_output_request_ids == {}
+    s.add_request(make_request("d", 4, max_tokens=3))
     manager.compiled("a")
-    st = step(s)
-    assert st.scheduled == {"a": 6, "b": 4}
+    st = step(s)  # one free seat: a's, since it came before d
+    assert st.scheduled == {"b": 1, "c": 1, "a": 6}
     assert st.out.structured_output_request_ids == {"a": 0}
     assert st.out.grammar_bitmask == ["a"]
+
+
+def test_a_compiling_request_is_passed_over_under_the_priority_policy_too():
+    s, manager = scheduler_with_manager(policy="priority")
+    add_structured(s, manager, make_request("a", 6, max_tokens=3, priority=-1))
+    s.add_request(make_request("b", 4, max_tokens=3, priority=0))
+    assert step(s).scheduled == {"b": 4}
+    manager.compiled("a")
+    assert step(s).scheduled == {"b": 1, "a": 6}
 
 
 def test_an_abort_while_the_grammar_compiles_leaves_nothing_behind():

@@ -4,7 +4,8 @@ Mirrors EngineArgs.add_cli_args and EngineArgs.from_cli_args in vllm/engine/arg_
 flag per user-facing field of minicore/config.py's sub-configs, grouped by sub-config, with type,
 choices and default from the field and --help from its metadata, so every default is written once,
 in the records. The records outside the sub-configs take one JSON flag each, as vLLM's:
---kv-transfer-config (prefill/decode disaggregation) and --speculative-config (draft tokens).
+--kv-transfer-config (prefill/decode disaggregation), --speculative-config (draft tokens) and
+--structured-outputs-config (the grammar backend).
 Left out: vLLM's EngineArgs dataclass (the flat keyword arguments go
 straight to create_engine_config), config files (--config), deprecation notices.
 """
@@ -19,12 +20,17 @@ from minicore.config import SUB_CONFIGS
 from minicore.kv_transfer.config import KVTransferConfig
 from minicore.scheduler.policies import get_policy, policy_names
 from minicore.spec_decode.config import SpeculativeConfig
+from minicore.structured_output.config import StructuredOutputsConfig
 
 KV_TRANSFER_HELP = (
     "run a KV connector for prefill/decode disaggregation, as vLLM's flag: "
     '\'{"kv_connector": "NixlConnector", "kv_role": "kv_both"}\' (kv_role: kv_producer, '
     "kv_consumer or kv_both; kv_connector_extra_config: side_channel_host, side_channel_port, "
     "abort_request_timeout)")
+STRUCTURED_OUTPUTS_HELP = (
+    "structured outputs' settings, as vLLM's flag: '{\"backend\": \"xgrammar\", "
+    '"disable_any_whitespace": false}\' (backend: auto or xgrammar, the one minicore has; '
+    "disable_any_whitespace: compact JSON for every request)")
 SPECULATIVE_HELP = (
     "draft tokens for the model to verify in one forward, as vLLM's flag: "
     '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, '
@@ -67,7 +73,9 @@ def _record_flags():
     return (("kv_transfer_config", "KV transfer", _json_dataclass(KVTransferConfig),
              KV_TRANSFER_HELP),
             ("speculative_config", "speculative decoding", _json_dataclass(SpeculativeConfig),
-             SPECULATIVE_HELP))
+             SPECULATIVE_HELP),
+            ("structured_outputs_config", "structured outputs",
+             _json_dataclass(StructuredOutputsConfig), STRUCTURED_OUTPUTS_HELP))
 
 
 def _cli_fields(exclude: tuple[str, ...]):

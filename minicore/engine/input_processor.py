@@ -11,12 +11,13 @@ be valid Unicode and integers must fit in 64 bits (SamplingParams checks its own
 become bad_words_token_ids; logit_bias, allowed_token_ids, stop ids and bad words must be in the
 vocabulary, and logprobs within --max-logprobs; the generation config's extra EOS ids join
 stop_token_ids; kv_transfer_params must be what the configured KV connector can act on (its
-classmethod validate_kv_transfer_params; without a connector they are ignored, as in vLLM).
+classmethod validate_kv_transfer_params; without a connector they are ignored, as in vLLM); a
+structured-output constraint must compile (xgrammar, no tokenizer) in a config that runs it.
 Everything is checked before anything is sent, so a refused request leaves nothing behind. The
 engine checks the prompt's token ids, the sampling token ids and the kv_transfer_params again
 (validate_prompt_token_ids, validate_sampling_params, ConnectorRemoteKV.validate_request: it
 trusts no frontend).
-Left out: multimodal inputs, LoRA, structured output, tokenization caches, logprob_token_ids.
+Left out: multimodal inputs, LoRA, tokenization caches, logprob_token_ids.
 """
 
 import dataclasses
@@ -30,6 +31,8 @@ from minicore.protocol import EngineCoreRequest
 from minicore.sampling_checks import INT64_MAX, INT64_MIN, check_text
 from minicore.sampling_params import SamplingParams
 from minicore.scheduler.policies import get_policy, policy_names
+from minicore.structured_output.manager import structured_outputs_unsupported
+from minicore.structured_output.params import validate_structured_outputs
 
 Prompt = str | list[int]
 
@@ -51,6 +54,7 @@ class InputProcessor:
         self.num_engines = config.parallel_config.data_parallel_size
         self.max_logprobs = config.model_config.max_logprobs
         self.has_logits = runner_info(config.model_config.runner).has_logits
+        self.structured_outputs_refused = structured_outputs_unsupported(config, self.has_logits)
         # vLLM's update_from_generation_config: the generation config's other EOS ids stop too.
         eos_ids = config.model_config.try_get_generation_config().get("eos_token_id")
         eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or ())
@@ -97,6 +101,7 @@ class InputProcessor:
             params = dataclasses.replace(params, stop_token_ids=list(dict.fromkeys(
                 [*params.stop_token_ids, *self.extra_eos_token_ids])))
         validate_sampling_params(params, self.vocab_size, self.max_logprobs, self.has_logits)
+        self._check_structured_outputs(params)
         return EngineCoreRequest(
             request_id, token_ids, params, self.tokenizer.eos_token_id,
             time.monotonic() if arrival_time is None else arrival_time, priority,
@@ -123,6 +128,20 @@ class InputProcessor:
                 params.kv_transfer_params, num_prompt_tokens, self.block_size)
         except ValueError as e:
             raise InvalidRequestError(str(e), "kv_transfer_params") from None
+
+    def _check_structured_outputs(self, params: SamplingParams) -> None:
+        """A constraint the engine can compile, in a config that can run it (vLLM: the
+        frontend's structured-output validation), so that a bad one is a 400, not an engine
+        error."""
+        if params.structured_outputs is None:
+            return
+        if self.structured_outputs_refused:
+            raise InvalidRequestError("structured outputs are not supported with "
+                                      f"{self.structured_outputs_refused}", "structured_outputs")
+        try:
+            validate_structured_outputs(params.structured_outputs)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "structured_outputs") from None
 
     def _truncate(self, token_ids: list[int], keep: int | None) -> list[int]:
         """The last `keep` tokens (-1: max_model_len), as vLLM's truncate_prompt_tokens."""

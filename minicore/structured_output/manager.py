@@ -38,9 +38,10 @@ class StructuredOutputRequest:
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer, vocab_size: int, disable_any_whitespace: bool = False):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.disable_any_whitespace = disable_any_whitespace
         self.compiler = None  # built by the first structured request
         # One thread: xgrammar compiles in C++ without the GIL, off the busy loop.
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
@@ -70,7 +71,7 @@ class StructuredOutputManager:
         self._structured.append(request)
 
     def _compile(self, params: StructuredOutputsParams):
-        grammar = build_grammar(params)  # ValueError naming the field
+        grammar = build_grammar(params, self.disable_any_whitespace)  # ValueError naming the field
         try:
             return self.compiler.compile_grammar(grammar)
         except RuntimeError as e:
@@ -114,9 +115,13 @@ class StructuredOutputManager:
             return
         import xgrammar as xgr
 
-        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)  # all tokens allowed
         for req_id, row in rows.items():
-            requests[req_id].structured_output_request.matcher.fill_next_token_bitmask(bitmask, row)
+            matcher = requests[req_id].structured_output_request.matcher
+            # A grammar ends on its stop token; a request that goes on past it (ignore_eos, or a
+            # stop token the request does not stop on) is free from then on, as in vLLM.
+            if not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(bitmask, row)
         scheduler_output.structured_output_request_ids = rows
         scheduler_output.grammar_bitmask = bitmask
 
@@ -172,15 +177,24 @@ class RefusedStructuredOutput:
 
 
 def make_structured_output_manager(config, model_runner, has_logits: bool):
-    """The engine's manager: none for a runner without logits (the InputProcessor refuses such
-    requests there), a refusing one with drafts or async scheduling, else xgrammar's."""
+    """The engine's manager: a refusing one where structured outputs cannot run, else
+    xgrammar's."""
+    if reason := structured_outputs_unsupported(config, has_logits):
+        return RefusedStructuredOutput(reason)
+    return StructuredOutputManager(model_runner.tokenizer, model_runner.vocab_size,
+                                   config.structured_outputs_config.disable_any_whitespace)
+
+
+def structured_outputs_unsupported(config, has_logits: bool) -> str | None:
+    """What in this config structured outputs cannot run with: the InputProcessor refuses such
+    requests with it, and the engine again."""
     if not has_logits:
-        return RefusedStructuredOutput("a runner without logits")
+        return "a runner without logits"
     if config.speculative_config is not None:
-        return RefusedStructuredOutput("--speculative-config")
+        return "--speculative-config"
     if config.scheduler_config.async_scheduling:
-        return RefusedStructuredOutput("--async-scheduling")
-    return StructuredOutputManager(model_runner.tokenizer, model_runner.vocab_size)
+        return "--async-scheduling (start the server with --no-async-scheduling)"
+    return None
 
 
 def _make_compiler(tokenizer, vocab_size: int):

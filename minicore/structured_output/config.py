@@ -1,0 +1,41 @@
+"""StructuredOutputsConfig: the engine's structured-output settings (--structured-outputs-config).
+
+Mirrors vllm/config/structured_outputs.py (StructuredOutputsConfig), with its JSON flag. minicore
+has one backend, xgrammar (vLLM's default under "auto"; chosen by measurement, docs/BENCHMARKS.md),
+so "auto" means xgrammar and vLLM's other backends are refused by name, as are the settings that
+only they read (disable_additional_properties is guidance's) and reasoning parsers. Pure Python:
+minicore.config imports it.
+"""
+
+from dataclasses import dataclass
+
+BACKENDS = ("auto", "xgrammar")
+# vLLM's other backends: named in the refusal, so that a vLLM command line fails clearly.
+OTHER_BACKENDS = ("guidance", "outlines", "lm-format-enforcer")
+
+
+@dataclass(slots=True)
+class StructuredOutputsConfig:
+    backend: str = "auto"
+    # Compact JSON for every request (no whitespace between tokens), as vLLM's.
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    reasoning_parser: str = ""
+    enable_in_reasoning: bool = False
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            known = "not available in minicore" if self.backend in OTHER_BACKENDS else "unknown"
+            raise ValueError(f"structured_outputs_config: backend {self.backend!r} is {known}: "
+                             f"choose among {', '.join(map(repr, BACKENDS))}")
+        for name in ("disable_any_whitespace", "disable_additional_properties",
+                     "enable_in_reasoning"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs_config: {name} must be true or false, got "
+                                 f"{getattr(self, name)!r}")
+        if self.disable_additional_properties:
+            raise ValueError("structured_outputs_config: disable_additional_properties is only "
+                             "supported by vLLM's guidance backend, which minicore does not have")
+        if self.reasoning_parser or self.enable_in_reasoning:
+            raise ValueError("structured_outputs_config: reasoning parsers are not supported by "
+                             "minicore")
