@@ -19,7 +19,7 @@ frontend decodes the tokens. Request events (EngineCoreEvent: QUEUED, SCHEDULED,
 time.monotonic() in the engine) ride on the request's next EngineCoreOutput (vLLM:
 Request.take_events); the frontend takes only differences between them and the frame's timestamp
 (queue, prefill, decode and inference times).
-Left out: multimodal features, LoRA, pooling, structured output.
+Left out: multimodal features, LoRA, pooling.
 """
 
 import enum

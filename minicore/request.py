@@ -2,7 +2,7 @@
 
 Mirrors vllm/v1/request.py (Request, RequestStatus); FinishReason is a wire record, in
 minicore/protocol.py as in vllm/v1/engine/__init__.py.
-Left out: multimodal inputs, LoRA, structured output.
+Left out: multimodal inputs, LoRA.
 """
 
 import enum

@@ -8,9 +8,10 @@ minicore/scheduler/async_scheduler.py). A KV connector is bound once, by bind_kv
 (minicore/kv_transfer/worker.py): its scheduler side goes to the Scheduler, its worker side wraps
 the runner's forward. It then keeps stepping while the scheduler holds blocks for a peer or waits
 for remote KV, even with nothing to compute (Scheduler.has_requests). With --speculative-config a
-drafter (minicore/spec_decode/) proposes each request's drafts after the update. Left out:
-pipeline parallelism's deeper batch queue, the executor layer (one in-process runner on one
-thread), structured output, sleep mode and LoRA utilities.
+drafter (minicore/spec_decode/) proposes each request's drafts after the update; the structured
+output manager (minicore/structured_output/manager.py) takes each request's grammar at
+add_request. Left out: pipeline parallelism's deeper batch queue, the executor layer (one
+in-process runner on one thread), sleep mode and LoRA utilities.
 """
 
 import logging

@@ -9,8 +9,8 @@ only the model forward leaves the loop, for one worker thread. The loop steps wh
 has requests (Scheduler.has_requests), polling every KV_POLL_INTERVAL_S when a step computes
 nothing. With async scheduling a step is EngineCore.step_with_batch_queue's, awaited: the next
 schedule runs on the loop while the forward thread runs the step before. Data parallelism is
-DPEngineCoreProc's (minicore/dp/engine.py). Left out: several frontends per engine, structured
-output, request preprocessing caches.
+DPEngineCoreProc's (minicore/dp/engine.py). Left out: several frontends per engine, request
+preprocessing caches.
 """
 
 import asyncio
