@@ -10,11 +10,12 @@ none, as vLLM's model_dump shows it) but not on stream chunks, which in vLLM hav
 either.
 Every sampling field vLLM takes maps to SamplingParams as vLLM's to_sampling_params does: a field
 left unset takes the generation config's default (get_diff_sampling_param), then OpenAI's.
-Logprob records live in logprobs_format.py. Refused with a 400 naming the field (never silently
-ignored): structured outputs (response_format json, structured_outputs, guided_*), tools and a
-tool_choice that needs them, suffix, best_of other than n, beam search, logprob_token_ids,
-prompt_embeds, truncation_side right, repetition_detection, thinking_token_budget. Left out:
-multimodal content.
+Logprob records live in logprobs_format.py, the structured outputs fields (response_format,
+structured_outputs) in response_format.py, chat messages and their tool calls in tool_records.py
+(chat takes tools; the chat endpoint checks them). Refused with a 400 naming the field (never
+silently ignored): the guided_* fields vLLM removed, tools on completions, suffix, best_of other
+than n, beam search, logprob_token_ids, prompt_embeds, truncation_side right,
+repetition_detection, thinking_token_budget. Left out: multimodal content.
 """
 
 import uuid
@@ -29,35 +30,36 @@ from minicore.entrypoints.logprobs_format import (
     PromptLogprobsJSON,
 )
 
-# The error records are re-exported: the endpoints take them from here with the requests.
+# Re-exported (errors, chat messages): the endpoints take them from here with the requests.
 from minicore.entrypoints.openai_errors import (  # noqa: F401
     OpenAIError,
     check_text_param,
     make_error,
     validation_error,
 )
+from minicore.entrypoints.response_format import (
+    REMOVED_GUIDED_FIELDS,
+    StructuredOutputsFields,
+    removed_guided_message,
+)
+from minicore.entrypoints.tool_records import ChatMessage, DeltaMessage  # noqa: F401 (re-exported)
 from minicore.sampling_params import SamplingParams
 
 # Parameters minicore does not implement, with the values that mean "not used" (best_of equal to
-# n is accepted too, as vLLM does).
+# n is accepted too, as vLLM does); chat declares tools and tool_choice, completions do not.
 UNSUPPORTED_PARAMS: dict[str, tuple] = {
     "suffix": (None, ""),
     "best_of": (None, 1),
     "use_beam_search": (None, False),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
-    "structured_outputs": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
     "logprob_token_ids": (None, []),
     "prompt_embeds": (None,),
     # truncate_prompt_tokens keeps the last tokens ("left"); vLLM can keep the first ones.
     "truncation_side": (None, "left"),
     "repetition_detection": (None,),
     "thinking_token_budget": (None,),
+    **dict.fromkeys(REMOVED_GUIDED_FIELDS, (None,)),
 }
 
 # OpenAI's defaults for the sampling fields a generation config may set (vLLM's
@@ -85,7 +87,8 @@ class OpenAIBaseModel(BaseModel):
             if name == "best_of" and value == getattr(self, "n", 1):
                 continue
             if name in UNSUPPORTED_PARAMS and value not in UNSUPPORTED_PARAMS[name]:
-                raise OpenAIError(f"{name} is not supported by minicore", 400, name)
+                raise OpenAIError(removed_guided_message(name) if name in REMOVED_GUIDED_FIELDS
+                                  else f"{name} is not supported by minicore", 400, name)
 
     def ignored_fields(self) -> list[str]:
         return sorted(set(self.model_extra or ()) - set(UNSUPPORTED_PARAMS))
@@ -97,7 +100,7 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = False
 
 
-class SamplingRequest(OpenAIBaseModel):
+class SamplingRequest(StructuredOutputsFields, OpenAIBaseModel):
     """The fields completions and chat completions share. None means "the default", because
     clients send explicit nulls."""
     model: str | None = None
@@ -159,6 +162,7 @@ class SamplingRequest(OpenAIBaseModel):
                     else defaults.get(name, default)
                     for name, default in DEFAULT_SAMPLING_PARAMS.items()}
         logprobs, prompt_logprobs = self.logprobs_fields()
+        structured = self.extract_structured_outputs()
         try:
             return SamplingParams(
                 max_tokens=max_tokens, **sampling, seed=self.seed, n=self.n,
@@ -171,7 +175,7 @@ class SamplingRequest(OpenAIBaseModel):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
-                truncate_prompt_tokens=self.truncate_prompt_tokens)
+                truncate_prompt_tokens=self.truncate_prompt_tokens, structured_outputs=structured)
         except ValueError as e:
             raise OpenAIError(str(e), 400, self.field_of(str(e).split(" ", 1)[0])) from None
 
@@ -183,6 +187,8 @@ class SamplingRequest(OpenAIBaseModel):
         """The request field a SamplingParams parameter (or InputProcessor param) comes from."""
         if name == "max_tokens":
             return self.max_tokens_field
+        if name == "structured_outputs":
+            return self.structured_outputs_field
         return name if name in type(self).model_fields else None
 
     @property
@@ -237,6 +243,9 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingRequest):
     top_logprobs: int | None = 0
     # The template holds the special tokens (vLLM's default for chat).
     add_special_tokens: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
 
     def logprobs_fields(self) -> tuple[int | None, int | None]:
         top = self.top_logprobs
@@ -313,11 +322,6 @@ class CompletionResponse(msgspec.Struct, kw_only=True):
     kv_transfer_params: dict[str, Any] | None | msgspec.UnsetType = msgspec.UNSET
 
 
-class ChatMessage(msgspec.Struct):
-    role: str
-    content: str
-
-
 class ChatCompletionResponseChoice(msgspec.Struct):
     index: int
     message: ChatMessage
@@ -336,11 +340,6 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     kv_transfer_params: dict[str, Any] | None = None
     # vLLM's extension (one prompt per chat request), when asked for.
     prompt_logprobs: PromptLogprobsJSON | msgspec.UnsetType = msgspec.UNSET
-
-
-class DeltaMessage(msgspec.Struct, omit_defaults=True):
-    role: str | None = None
-    content: str | None = None
 
 
 class ChatCompletionResponseStreamChoice(msgspec.Struct):

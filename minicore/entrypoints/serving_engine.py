@@ -11,8 +11,9 @@ Chat prompts are rendered by chat_utils (vLLM's chat_utils); unset sampling fiel
 generation config's defaults (ModelConfig.get_diff_sampling_param). A request's own chat_template
 needs --trust-request-chat-template, as in vLLM. Text prompts are tokenized on one thread of
 their own (vLLM's tokenizer executor), off the event loop. The endpoints themselves are in
-serving.py.
-Left out: tools, guided decoding, beam search, multimodal content.
+serving.py. A structured outputs constraint the InputProcessor refuses (a bad schema, regex or
+grammar) is a 400 naming the field the client gave it in (response_format or structured_outputs).
+Left out: tools, beam search, multimodal content.
 """
 
 import asyncio

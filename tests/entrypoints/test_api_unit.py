@@ -72,11 +72,6 @@ def test_invalid_sampling_values_are_400_naming_the_parameter(fields, param):
 @pytest.mark.parametrize("fields, param", [
     ({"suffix": "x"}, "suffix"),
     ({"best_of": 3, "n": 2}, "best_of"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
-    ({"structured_outputs": {"json": {}}}, "structured_outputs"),
     ({"guided_json": {}}, "guided_json"),
     ({"guided_regex": "a+"}, "guided_regex"),
     ({"guided_choice": ["a"]}, "guided_choice"),
@@ -91,6 +86,19 @@ def test_unsupported_parameters_are_refused_unless_unused(fields, param):
         with pytest.raises(OpenAIError) as e:
             request_type(**body, **fields).check_unsupported()
         assert (e.value.status, e.value.param) == (400, param)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+])
+def test_tools_are_refused_on_completions_and_taken_by_chat(fields, param):
+    with pytest.raises(OpenAIError) as e:
+        CompletionRequest(prompt="x", **fields).check_unsupported()
+    assert (e.value.status, e.value.param) == (400, param)
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **fields)
+    chat.check_unsupported()  # the chat endpoint checks them
+    assert getattr(chat, param) == fields[param]
 
 
 def test_unused_values_of_unsupported_parameters_pass():

@@ -321,11 +321,7 @@ def test_min_p_one_keeps_only_the_most_likely_token(client):
 REFUSED = [
     ("/v1/completions", {"suffix": "x"}, "suffix"),
     ("/v1/completions", {"best_of": 2}, "best_of"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]},
-     "tools"),
-    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
-    ("/v1/completions", {"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    ("/v1/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
     ("/v1/completions", {"guided_choice": ["a", "b"]}, "guided_choice"),
     ("/v1/completions", {"logit_bias": {"abc": 1}}, "logit_bias"),
