@@ -12,6 +12,7 @@ from minicore.arg_utils import human_readable_int
 from minicore.config import create_engine_config
 from minicore.dp.sim_report import add_simulate_args, simulate_main
 from minicore.engine.arg_utils import add_engine_cli_args, engine_kwargs_from_cli
+from minicore.entrypoints.tool_parsers import ToolParserManager
 from minicore.logger import configure_logging
 
 # generate's LLM runs one in-process engine, which refuses data parallelism, on the transformers
@@ -45,6 +46,11 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--return-tokens-as-token-ids", action="store_true",
                         help="logprob tokens spelled token_id:N by default (a request's "
                              "return_tokens_as_token_ids wins), as vLLM's")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='tool_choice "auto", "required" and named (needs --tool-call-parser)'
+                             ", as vLLM's")
+    parser.add_argument("--tool-call-parser", choices=ToolParserManager.list_registered(),
+                        help="the model's tool call format, read into tool_calls")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--metrics-prefix", type=_metrics_prefix, default="vllm",
@@ -117,6 +123,8 @@ def _serve(args: argparse.Namespace) -> None:
     # Every check that needs no model first, before the server's imports: a bad flag fails fast.
     if args.model_tag is not None:
         args.model = args.model_tag
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     config = create_engine_config(**engine_kwargs_from_cli(args))
     check_local_paths(config)
 

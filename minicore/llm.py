@@ -6,7 +6,7 @@ Requests are built by the same InputProcessor and read back by the same OutputPr
 server's (minicore/engine/); chat formats conversations with the server's chat_utils.
 SamplingParams.n fans a prompt out into n engine requests (the j-th seeded with seed + j) whose
 outputs come back as one RequestOutput with n CompletionOutputs, as vLLM's ParentRequest does.
-Left out: beam search, pooling, LoRA, multimodal and embeds prompts, tools in chat, and data
+Left out: beam search, pooling, LoRA, multimodal and embeds prompts, and data
 parallelism (one engine in this process; DP runs through `python -m minicore serve
 --data-parallel-size N` or AsyncLLM).
 """
@@ -152,11 +152,13 @@ class LLM:
              use_tqdm: bool | Callable[..., tqdm] = True,
              priority: int | Sequence[int] | None = None, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """Generate replies to conversations ([{"role": ..., "content": ...}, ...]; content a
         string or OpenAI text parts), formatted with chat_template (a template or its file), else
-        --chat-template's, else the tokenizer's. The template holds the special tokens, so the
-        text is tokenized without adding any (vLLM's rule)."""
+        --chat-template's, else the tokenizer's, which sees tools (OpenAI tool definitions) as
+        vLLM's does. The template holds the special tokens, so the text is tokenized without
+        adding any (vLLM's rule)."""
         conversations = (
             [messages] if isinstance(messages, list) and messages
             and all(isinstance(m, dict) for m in messages) else messages)
@@ -169,7 +171,7 @@ class LLM:
             self.tokenizer, parse_chat_messages(c), chat_template=template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
-            chat_template_kwargs=chat_template_kwargs) for c in conversations]
+            chat_template_kwargs=chat_template_kwargs, tools=tools) for c in conversations]
         return self._generate([(t, t) for t in texts], sampling_params, use_tqdm, priority, False)
 
     def _generate(self, parsed: list[tuple[str | list[int], str | None]], sampling_params,

@@ -1,8 +1,8 @@
 """The scheduler's side of structured outputs, pure Python, with a fake grammar: a request whose
 grammar compiles waits in the queue as WAITING_FOR_FSM, passed over (those behind it run) but
-keeping its place, until it is ready; an abort while it compiles frees nothing because it holds nothing;
-each step's output carries a bitmask row for its scheduled structured requests only; and each
-matcher sees every sampled token once, in order, through preemption and resume."""
+keeping its place, until it is ready; an abort while it compiles frees nothing because it holds
+nothing; each step's output carries a bitmask row for its scheduled structured requests only; and
+each matcher sees every sampled token once, in order, through preemption and resume."""
 
 from minicore.request import RequestStatus
 from minicore.scheduler.structured_output import NoStructuredOutput

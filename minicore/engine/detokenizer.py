@@ -6,7 +6,8 @@ without the newest ones, and emits the difference, so a multi-byte character spl
 emitted only once complete. Works with any transformers tokenizer. skip_special_tokens is passed to
 decode; spaces_between_special_tokens only reaches a slow (Python) tokenizer, as in vLLM, whose
 fast detokenizer ignores it too. With include_stop_str_in_output a stop string stays in the text
-(vLLM's check_stop_strings). Left out: the fast DecodeStream path.
+(vLLM's check_stop_strings), and so does the stop token that ended a request (otherwise its text
+is left out, as vLLM's update(stop_terminated)). Left out: the fast DecodeStream path.
 """
 
 # Prompt tokens kept as decoding context, so the first output token's leading space renders.
@@ -36,9 +37,13 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         return self._backend_decode(token_ids, **self._decode_kwargs)
 
-    def update(self, new_token_ids: list[int]) -> str | None:
+    def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
         """Append tokens to the text; return the stop string that ended it, if one did (the text
-        is then cut just before it and later tokens are ignored)."""
+        is then cut just before it and later tokens are ignored). stop_terminated: the last token
+        is the EOS or stop id that ended the request, whose text is left out unless
+        include_stop_str_in_output (vLLM's rule)."""
+        if stop_terminated and not self.include_stop_str_in_output:
+            new_token_ids = new_token_ids[:-1]
         for token_id in new_token_ids:
             self.token_ids.append(token_id)
             prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])

@@ -104,7 +104,8 @@ class RequestState:
         if output.finished:
             self.finish_reason, self.stop_reason = str(output.finish_reason), output.stop_reason
             self.kv_transfer_params = output.kv_transfer_params
-        stop = self.detokenizer.update(output.new_token_ids)
+        stop = self.detokenizer.update(output.new_token_ids,
+                                       output.finish_reason == FinishReason.STOP)
         if stop is None:
             return False
         stopped_here = not output.finished

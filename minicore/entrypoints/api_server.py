@@ -300,7 +300,9 @@ async def _serve(config: EngineConfig, args, sock: socket.socket, client: AsyncL
         client.output_processor.on_iteration_end = metrics.on_iteration_end
         serving = OpenAIServing(client, model_names, args.enable_prompt_tokens_details,
                                 args.trust_request_chat_template,
-                                args.return_tokens_as_token_ids)
+                                args.return_tokens_as_token_ids,
+                                enable_auto_tools=args.enable_auto_tool_choice,
+                                tool_parser=args.tool_call_parser)
         limits = http_limits(args, serving.max_model_len)
         app = build_app(client, serving, metrics, args.api_key, not args.disable_log_stats,
                         args.enable_server_load_tracking, limits)

@@ -5,11 +5,12 @@ _postprocess_messages; in vLLM 0.32 vllm/renderers/chat_utils.py) and vllm/rende
 (safe_apply_chat_template, resolve_chat_template_kwargs). As vLLM does with the "string" content
 format: text parts are joined with newlines; an assistant's tool_calls (arguments JSON parsed to a
 dict, as HF templates expect) and reasoning, a tool message's tool_call_id and any message's name
-are handed to the template. chat_template_kwargs are filtered to the variables the template uses
-plus apply_chat_template's own parameters; chat_template and tokenize in them are refused.
+are handed to the template, and so are the request's tool definitions. chat_template_kwargs are
+filtered to the variables the template uses plus apply_chat_template's own parameters;
+chat_template and tokenize in them are refused.
 The server and the offline LLM.chat both use these functions.
 Left out: multimodal parts (refused, naming messages), the "openai" content format (content as a
-list of dicts), tool definitions in the template, developer-role conversion, Mistral tokenizers.
+list of dicts), developer-role conversion, Mistral tokenizers.
 """
 
 import inspect
@@ -107,9 +108,12 @@ def _parse_tool_calls(i: int, tool_calls) -> list[dict]:
 
 def apply_hf_chat_template(tokenizer, conversation: list[dict], *, chat_template: str | None,
                            add_generation_prompt: bool, continue_final_message: bool = False,
-                           chat_template_kwargs: dict | None = None) -> str:
+                           chat_template_kwargs: dict | None = None,
+                           tools: list[dict] | None = None) -> str:
     """The prompt text of a parsed conversation; an InvalidRequestError naming the field for a
-    request the template (or vLLM's rules) refuses."""
+    request the template (or vLLM's rules) refuses. tools: the request's tool definitions
+    ({"type": "function", "function": {...}} dicts, tool_calls.check_tools), handed to the
+    template as vLLM 0.32 does: a default chat_template_kwargs entry (the request's wins)."""
     if continue_final_message and add_generation_prompt:
         raise InvalidRequestError("Cannot set both `continue_final_message` and "
                                   "`add_generation_prompt` to True.", "continue_final_message")
@@ -119,7 +123,7 @@ def apply_hf_chat_template(tokenizer, conversation: list[dict], *, chat_template
                                   "(--chat-template)", "messages")
     # As vLLM, the request's kwargs win over the request fields of the same name.
     kwargs = {"add_generation_prompt": add_generation_prompt,
-              "continue_final_message": continue_final_message,
+              "continue_final_message": continue_final_message, "tools": tools,
               **resolve_chat_template_kwargs(tokenizer, template, chat_template_kwargs or {})}
     try:
         return tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,

@@ -9,7 +9,10 @@ OpenAI shapes (logprobs_format.py); a stream chunk carries the logprobs of the t
 since the previous chunk, with text offsets counted by token, as vLLM does (text held back for a
 stop string lags its tokens). prompt_logprobs (vLLM's extension) are on each completion choice and
 at the top of a chat response. stream_options.continuous_usage_stats puts the choice's usage on
-every chunk. Left out: tools, reasoning parsers, return_token_ids, per-request metrics.
+every chunk. Chat tools (tool_calls.py): the tools reach the template, named and "required" tool
+choice constrain the output, and each choice's output is read back into tool calls, whole or
+delta by delta, with vLLM's finish reasons; "auto" needs a tool parser (--enable-auto-tool-choice
+--tool-call-parser). Left out: reasoning parsers, return_token_ids, per-request metrics.
 """
 
 import time
@@ -27,7 +30,6 @@ from minicore.entrypoints.openai_protocol import (
     ChatCompletionResponseChoice,
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
-    ChatMessage,
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
@@ -37,9 +39,18 @@ from minicore.entrypoints.openai_protocol import (
     sse,
 )
 from minicore.entrypoints.serving_engine import Choice, OpenAIServingBase
+from minicore.entrypoints.tool_calls import ToolCallParser, check_tools
+from minicore.entrypoints.tool_parsers import ToolParserManager
 
 
 class OpenAIServing(OpenAIServingBase):
+    def __init__(self, *args, enable_auto_tools: bool = False, tool_parser: str | None = None,
+                 **kwargs):
+        super().__init__(*args, **kwargs)
+        # As vLLM's ParserManager.get_tool_parser: the parser serves only with auto tool choice.
+        self.tool_parser_cls = (ToolParserManager.get_tool_parser(tool_parser)
+                                if enable_auto_tools and tool_parser else None)
+
     def _formatter(self, request) -> LogprobsFormatter:
         as_ids = request.return_tokens_as_token_ids
         return LogprobsFormatter(self.tokenizer, self.return_tokens_as_token_ids
@@ -154,28 +165,45 @@ class OpenAIServing(OpenAIServingBase):
                                      rank_header: str | None = None):
         """A ChatCompletionResponse, or for stream=True an async iterator of SSE bytes."""
         self._check_request(request)
-        conversation, text = self.render_chat(request)
-        params = self.sampling_params(request, request.requested_max_tokens)
+        tools = check_tools(request, self.tool_parser_cls)
+        conversation, text = self.render_chat(request, tools.tools)
+        requested = self.sampling_params(request, request.requested_max_tokens)
+        params = tools.sampling_params(requested)
         response_id = f"chatcmpl-{random_uuid()}"
-        choices = await self._make_choices(response_id, [text], params, request, "messages",
-                                           rank_header)
+        try:
+            choices = await self._make_choices(response_id, [text], params, request, "messages",
+                                               rank_header)
+        except OpenAIError as e:
+            # A constraint the engine refuses that tool choice set: the tools' own schema.
+            if e.param == "structured_outputs" and (
+                    params.structured_outputs is not requested.structured_outputs):
+                raise OpenAIError(e.message, 400, "tools") from None
+            raise
         model = request.model or self.model_names[0]
+        parsers = [tools.parser() for _ in choices]
         # vLLM's chat echo: the last message, when it is the assistant's, heads the answer.
         echo = (conversation[-1]["content"] if request.echo
                 and conversation[-1]["role"] == "assistant" else "")
         if request.stream:
-            return self._chat_stream(request, response_id, model, choices, echo)
+            return self._chat_stream(request, response_id, model, choices, parsers, echo)
         await self._run_to_completion(choices)
         fmt = self._formatter(request)
         prompt_logprobs = choices[0].prompt_logprobs
         return ChatCompletionResponse(
             id=response_id, created=int(time.time()), model=model,
-            choices=[ChatCompletionResponseChoice(
-                c.index, ChatMessage("assistant", echo + c.text), c.finish_reason, c.stop_reason,
-                self._chat_logprobs(request, c.token_ids, c.logprobs, fmt)) for c in choices],
+            choices=[self._chat_choice(request, c, parsers[c.index], echo, fmt) for c in choices],
             usage=self._usage(choices), kv_transfer_params=choices[0].kv_transfer_params,
             prompt_logprobs=msgspec.UNSET if prompt_logprobs is None
             else prompt_logprobs_json(prompt_logprobs))
+
+    def _chat_choice(self, request: ChatCompletionRequest, c: Choice, parser: ToolCallParser,
+                     echo: str, fmt: LogprobsFormatter) -> ChatCompletionResponseChoice:
+        message, finish_reason = parser.parse(c.text, c.finish_reason)
+        if echo:
+            message.content = echo + (message.content or "")
+        return ChatCompletionResponseChoice(
+            c.index, message, finish_reason, c.stop_reason,
+            self._chat_logprobs(request, c.token_ids, c.logprobs, fmt))
 
     @staticmethod
     def _chat_logprobs(request: ChatCompletionRequest, token_ids: list[int], logprobs,
@@ -185,7 +213,8 @@ class OpenAIServing(OpenAIServingBase):
         return fmt.chat(token_ids, logprobs, request.top_logprobs)
 
     async def _chat_stream(self, request: ChatCompletionRequest, response_id: str, model: str,
-                           choices: list[Choice], echo: str) -> AsyncIterator[bytes]:
+                           choices: list[Choice], parsers: list[ToolCallParser],
+                           echo: str) -> AsyncIterator[bytes]:
         created, fmt = int(time.time()), self._formatter(request)
 
         def chunk(choice_list, usage=None):
@@ -210,11 +239,14 @@ class OpenAIServing(OpenAIServingBase):
                 async for choice, delta in outputs:
                     token_ids, logprobs = self._new_tokens(choice)
                     logprobs = self._chat_logprobs(request, token_ids, logprobs, fmt)
-                    if delta or choice.finish_reason is not None or (logprobs and token_ids):
+                    parser = parsers[choice.index]
+                    message = parser.parse_delta(delta)
+                    finish_reason = parser.stream_finish_reason(choice.finish_reason)
+                    if message is not None or finish_reason is not None or (
+                            logprobs and token_ids):
                         yield chunk([ChatCompletionResponseStreamChoice(
-                            choice.index, DeltaMessage(content=delta or None),
-                            choice.finish_reason, choice.stop_reason, logprobs)],
-                            continuous(choice))
+                            choice.index, message or DeltaMessage(), finish_reason,
+                            choice.stop_reason, logprobs)], continuous(choice))
             if request.include_usage:
                 yield chunk([], self._usage(choices))
         except (OpenAIError, EngineDeadError) as e:

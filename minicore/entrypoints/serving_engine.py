@@ -13,7 +13,7 @@ needs --trust-request-chat-template, as in vLLM. Text prompts are tokenized on o
 their own (vLLM's tokenizer executor), off the event loop. The endpoints themselves are in
 serving.py. A structured outputs constraint the InputProcessor refuses (a bad schema, regex or
 grammar) is a 400 naming the field the client gave it in (response_format or structured_outputs).
-Left out: tools, beam search, multimodal content.
+Left out: beam search, multimodal content.
 """
 
 import asyncio
@@ -210,8 +210,10 @@ class OpenAIServingBase:
 
     # ----------------------------------------------------------------------------- prompts
 
-    def render_chat(self, request: ChatTemplateFields) -> tuple[list[dict], str]:
-        """The parsed conversation and the prompt text its chat template makes."""
+    def render_chat(self, request: ChatTemplateFields,
+                    tools: list[dict] | None = None) -> tuple[list[dict], str]:
+        """The parsed conversation and the prompt text its chat template makes, with the
+        request's tools (checked: tool_calls.check_tools)."""
         template = self.chat_template
         if request.chat_template is not None or (request.chat_template_kwargs or {}).get(
                 "chat_template") is not None:
@@ -226,7 +228,7 @@ class OpenAIServingBase:
                 self.tokenizer, conversation, chat_template=template,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
-                chat_template_kwargs=request.chat_template_kwargs)
+                chat_template_kwargs=request.chat_template_kwargs, tools=tools)
         except InvalidRequestError as e:
             raise OpenAIError(str(e), 400, e.param) from None
 

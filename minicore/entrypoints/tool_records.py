@@ -18,7 +18,7 @@ import msgspec
 
 def make_tool_call_id() -> str:
     """vLLM's default tool call id (make_tool_call_id in vllm/renderers/chat_utils.py)."""
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+    return f"chatcmpl-tool-{uuid.uuid4().int & (2**64 - 1):016x}"  # vLLM's random_uuid: 16 hex
 
 
 class FunctionCall(msgspec.Struct):

@@ -98,6 +98,13 @@ def test_length_and_stop_token_finish_reasons(llm):
                                                    stop_token_ids=[first]),
                        use_tqdm=False)[0].outputs[0]
     assert out.token_ids[-1] == first and out.finish_reason == "stop" and out.stop_reason == first
+    # vLLM's rule: the stop token's text is left out, unless include_stop_str_in_output.
+    tokenizer = llm.get_tokenizer()
+    assert out.text == tokenizer.decode(out.token_ids[:-1])
+    kept = llm.generate(PROMPTS[:1], SamplingParams(
+        max_tokens=5, temperature=0, ignore_eos=True, stop_token_ids=[first],
+        include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == tokenizer.decode(kept.token_ids) != out.text
 
 
 @pytest.mark.parametrize("bad", [
@@ -301,6 +308,11 @@ def test_chat_takes_content_parts_and_vllms_template_options(llm):
                          chat_template="{{ greeting }} {{ messages[0].content }}:",
                          chat_template_kwargs={"greeting": "Q"})
     assert inline.prompt == "Q hi:"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    (with_tools,) = llm.chat([{"role": "user", "content": "hi"}], greedy, use_tqdm=False,
+                             chat_template="{% for t in tools %}{{ t.function.name }};{% endfor %}",
+                             tools=tools)
+    assert with_tools.prompt == "get_weather;"
     with pytest.raises(ValueError, match="continue_final_message"):
         llm.chat([{"role": "user", "content": "hi"}], greedy, use_tqdm=False,
                  continue_final_message=True)
