@@ -6,6 +6,10 @@ output forced by a regex, as a 135M model does not write them by itself); bad to
 naming the field. A server without the flags is in test_tool_parser.py."""
 
 import json
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -130,3 +134,16 @@ def test_bad_tools_are_400s_naming_the_field(server, fields, param):
     response = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
         "messages": MESSAGES, "max_tokens": 4, **fields})
     assert check_openai_error(response, 400)["param"] == param
+
+
+def test_the_structured_outputs_example_runs_against_the_server(server):
+    example = Path(__file__).resolve().parents[2] / "examples" / "structured_outputs.py"
+    result = subprocess.run([sys.executable, str(example), "--base-url", server.url + "/v1"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    head = (line.split(":", 1) for line in result.stdout.splitlines()[:3])
+    lines = {name.strip(): value for name, value in head}
+    assert set(json.loads(lines["json_schema"])) == {"name", "country", "population_millions"}
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", lines["regex"].strip())
+    assert lines["choice"].strip() in ("positive", "negative", "neutral")
+    assert result.stdout.count("tool call (") == 2 and "get_weather(" in result.stdout
