@@ -11,7 +11,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_helpers import ServerProcess, check_openai_error
+from server_helpers import check_openai_error
 
 from minicore.entrypoints.openai_protocol import (
     ChatCompletionRequest,
@@ -135,10 +135,8 @@ def test_chat_takes_the_same_fields_and_declares_tools():
 
 
 @pytest.fixture(scope="module")
-def server():
-    with ServerProcess("--max-model-len", "512", "--kv-cache-memory", str(64 << 20),
-                       "--max-num-seqs", "8") as s:
-        yield s
+def server(structured_server):
+    return structured_server
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_helpers import ServerProcess, check_openai_error
+from server_helpers import check_openai_error
 
 pytestmark = pytest.mark.model
 
@@ -40,11 +40,8 @@ FORCED = r'Ok <tool_call>\{"name": "add", "arguments": \{"a": 1, "b": 2\}\}</too
 
 
 @pytest.fixture(scope="module")
-def server():
-    with ServerProcess("--max-model-len", "512", "--kv-cache-memory", str(64 << 20),
-                       "--max-num-seqs", "8", "--enable-auto-tool-choice",
-                       "--tool-call-parser", "hermes") as s:
-        yield s
+def server(structured_server):
+    return structured_server
 
 
 @pytest.fixture(scope="module")
