@@ -11,6 +11,7 @@ buffer tuning, IPv6 address parsing.
 
 import errno
 import gc
+import random
 import socket
 
 import zmq
@@ -70,22 +71,37 @@ def bind_zmq_socket(ctx: zmq.Context, socket_type: int, host: str, port: int | s
         raise listen_error(e, host, port, what, setting, value, how) from None
 
 
-def free_port_pair() -> int:
-    """A port P on 127.0.0.1 with P + 1 free too, just now: a DP deployment listens on both (the
-    group's rendezvous on P, the engines' handshake on P + 1), as do a NIXL side channel's peers."""
-    for _ in range(100):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            if port + 1 >= 65535:
-                continue
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
+def free_port(span: int = 1) -> int:
+    """A port P on 127.0.0.1 with P .. P + span - 1 free, just now (span 2: a DP deployment listens
+    on P for the group's rendezvous and on P + 1 for the engines' handshake). It is drawn below the
+    kernel's ephemeral range, so no outgoing connection's local port takes it before it is bound."""
+    low = _ephemeral_port_range_start()
+    for _ in range(200):
+        port = random.randrange(10_000, low - span)
+        if all(_bindable(port + i) for i in range(span)):
             return port
-    raise RuntimeError("no free pair of consecutive ports found")
+    raise RuntimeError(f"no {span} free consecutive ports found below {low}")
+
+
+def free_port_pair() -> int:
+    return free_port(span=2)
+
+
+def _ephemeral_port_range_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; macOS starts at 49152
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def freeze_gc_heap() -> None:

@@ -3,7 +3,6 @@
 X-data-parallel-rank header's parsing, and the DP config and CLI checks that refuse a setup which
 could only hang or misroute later. Pure logic, so every case is cheap to pin down here."""
 
-import socket
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -15,14 +14,10 @@ from minicore.dp.coordinator import DPCoordinator
 from minicore.entrypoints.openai_protocol import OpenAIError
 from minicore.entrypoints.serving import OpenAIServing
 from minicore.protocol import EngineCoreOutputs, SchedulerStats
+from minicore.utils import free_port
 
 CLI_TIMEOUT_S = 60
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 # ------------------------------------------------------------------ engine choice
 

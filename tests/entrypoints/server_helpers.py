@@ -4,7 +4,6 @@ session (process group), so that whatever it started is killed at the end whatev
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,13 +13,9 @@ from pathlib import Path
 import httpx
 import psutil
 
+from minicore.utils import free_port  # noqa: F401  (the server tests import it from here)
+
 STARTUP_TIMEOUT_S = 180
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

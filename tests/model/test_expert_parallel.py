@@ -7,7 +7,6 @@ every wait is bounded."""
 
 import multiprocessing
 import queue
-import socket
 
 import pytest
 import torch
@@ -19,15 +18,11 @@ from minicore.model.expert_parallel import (
     check_expert_parallel,
     determine_expert_map,
 )
+from minicore.utils import free_port
 
 RANKS = 2
 TIMEOUT_S = 120
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
