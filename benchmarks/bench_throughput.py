@@ -14,10 +14,13 @@ and values over each token's context, the LM head for each sampled token), over 
 the weights plus the engine (KV cache allocation included). --gather also runs minicore with decode
 attention gathering each sequence's KV blocks every step (the path before per-request KV rows,
 minicore/model/decode_kv.py), side by side; --torch-kernels also runs it with its C kernels off
-(minicore/model/native.py: decode attention and linear layers on torch only).
+(minicore/model/native.py: decode attention and linear layers on torch only). --vllm also runs
+vLLM's CPU build on the same workload, in its own virtualenv (benchmarks/vllm_side.py), with its
+default dtype (bfloat16 on every x86 CPU; --vllm-dtype to choose); minicore and transformers run
+with --dtype (default: minicore's auto). The CPU's model and bfloat16 flags are printed.
 
     python benchmarks/bench_throughput.py [--workloads uniform varied] [--num-prompts 64] \
-        [--device cpu] [--gather] [--torch-kernels]
+        [--device cpu] [--dtype auto] [--gather] [--torch-kernels] [--vllm]
 """
 
 import argparse
@@ -33,11 +36,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_spec_decode import cpu_description  # noqa: E402
+from vllm_side import run_vllm  # noqa: E402
+
 from minicore.llm import LLM  # noqa: E402
 from minicore.model.attention import GATHERED_DECODE, attn_implementation  # noqa: E402
 from minicore.model.cpu_linear import use_cpu_linear  # noqa: E402
 from minicore.model.decode_kv import DecodeKVBuffers  # noqa: E402
-from minicore.model.loader import load_model  # noqa: E402
+from minicore.model.loader import load_model, resolve_model_dir  # noqa: E402
 from minicore.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -129,11 +135,15 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=["uniform", "varied"])
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--device", default=None)
-    ap.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    ap.add_argument("--dtype", default="auto",
+                    help="minicore's and transformers' (default: auto, minicore's choice)")
     ap.add_argument("--gather", action="store_true",
                     help="also time minicore with the gather decode attention")
     ap.add_argument("--torch-kernels", action="store_true",
                     help="also time minicore with its C kernels off (CPU)")
+    ap.add_argument("--vllm", action="store_true",
+                    help="also time vLLM's CPU build (benchmarks/vllm_differential.py --setup)")
+    ap.add_argument("--vllm-dtype", default=None, help="vLLM's --dtype (default: its auto)")
     ap.add_argument("--json",
                     default=str(Path(__file__).parent / "results" / "bench_throughput.json"))
     args = ap.parse_args()
@@ -155,7 +165,7 @@ def main() -> None:
         num_out = sum(o for _, o in work)
         run_minicore(llm, work[:4])  # warm-up
         t_mini = run_minicore(llm, work)
-        gather_tok_s = torch_tok_s = None
+        gather_tok_s = torch_tok_s = vllm = None
         # Other prompts of the same lengths: the first run's are in the prefix cache.
         other = make_workload(name, args.num_prompts, cfg.vocab_size, seed=1)
         # The runner chose its decode path once; each variant swaps in another and back.
@@ -171,13 +181,17 @@ def main() -> None:
             torch_tok_s = sum(o for _, o in third) / run_minicore(llm, third)
             runner.decode_attention = decode_attention
             use_cpu_linear(model, decode_attention.kernel)
-        t_hf = reference.submit(run_transformers, work, args.dtype, args.device).result()
+        t_hf = reference.submit(run_transformers, work, dtype, args.device).result()
+        if args.vllm:
+            vllm = run_vllm(resolve_model_dir(), work, args.vllm_dtype)
         flops = matmul_flops(cfg, work)
         rows.append({"workload": name, "num_prompts": len(work), "output_tokens": num_out,
                      "minicore_s": t_mini, "transformers_s": t_hf, "gather_tok_s": gather_tok_s,
-                     "torch_kernels_tok_s": torch_tok_s,
+                     "torch_kernels_tok_s": torch_tok_s, "vllm": vllm,
+                     "vllm_tok_s": vllm and num_out / vllm["seconds"],
                      "minicore_tok_s": num_out / t_mini, "transformers_tok_s": num_out / t_hf,
                      "speedup": t_hf / t_mini, "roofline_fraction": flops / t_mini / rate})
+    print(f"CPU: {cpu_description()}")
     print(f"device {device}, {dtype}, torch threads {torch.get_num_threads()}, "
           f"measured matmul rate {rate / 1e9:.1f} GFLOP/s, load {load_s:.1f} s")
     print(f"{'workload':10} {'out tokens':>10} {'minicore tok/s':>15} {'transformers tok/s':>19} "
@@ -188,9 +202,12 @@ def main() -> None:
               f"{r['roofline_fraction']:>8.0%}"
               + (f"  gather: {r['gather_tok_s']:.1f} tok/s" if r["gather_tok_s"] else "")
               + (f"  torch kernels: {r['torch_kernels_tok_s']:.1f} tok/s"
-                 if r["torch_kernels_tok_s"] else ""))
+                 if r["torch_kernels_tok_s"] else "")
+              + (f"  vLLM ({r['vllm']['dtype']}): {r['vllm_tok_s']:.1f} tok/s, minicore / vLLM "
+                 f"{r['minicore_tok_s'] / r['vllm_tok_s']:.2f}x" if r["vllm"] else ""))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"device": str(device), "dtype": str(dtype),
+    Path(args.json).write_text(json.dumps({"cpu": cpu_description(), "device": str(device),
+                                           "dtype": str(dtype),
                                            "threads": torch.get_num_threads(), "load_s": load_s,
                                            "matmul_flops_per_s": rate, "results": rows}, indent=2))
     print(f"wrote {args.json}")

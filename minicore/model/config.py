@@ -21,8 +21,8 @@ from minicore.model.registry import MODEL_RUNNERS, runner_info
 
 # --runner's choices: the registry's names (minicore/model/registry.py).
 ModelRunnerKind = Literal[tuple(MODEL_RUNNERS)]
-# vLLM's --dtype choices; "auto" is bfloat16 on CUDA and float32 on CPU, resolved where torch is
-# (minicore.model.loader), since this module stays pure Python.
+# vLLM's --dtype choices; "auto" is resolved where torch is (minicore.model.loader,
+# resolve_auto_dtype), since this module stays pure Python.
 ModelDType = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
 
 
@@ -47,7 +47,8 @@ class ModelConfig:
     tokenizer: str | None = flag(
         None, "a local tokenizer directory, when not the model's own (default: the model's)")
     dtype: ModelDType = flag(
-        "auto", "the weights' dtype; auto: bfloat16 on CUDA, float32 on CPU; half is float16, "
+        "auto", "the weights' dtype; auto: bfloat16 on CUDA and on CPUs with native bfloat16 (AMX "
+                "or AVX512-BF16), else float32; half is float16, "
                 "float is float32")
     device: str | None = flag(None, "cpu, cuda or cuda:N (default: CUDA when available)")
     seed: int = flag(0, "seeds the engine's random state, as vLLM's --seed: requests that bring "

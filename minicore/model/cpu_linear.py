@@ -1,5 +1,5 @@
-"""Linear layers of float32 CPU models at decode batch sizes: the native kernel for the fewest
-rows, else ``(W @ x^T)^T``.
+"""Linear layers of float32 and bfloat16 CPU models at decode batch sizes: the native kernel for
+the fewest rows, else (float32) ``(W @ x^T)^T``.
 
 vLLM's CPU backend routes its linear layers through its own GEMM dispatch
 (``vllm/model_executor/layers/utils.py`` ``dispatch_cpu_unquantized_gemm``, oneDNN on
@@ -19,7 +19,9 @@ comes out transposed: the MLP's gate/up projections hand it on as a view (their 
 down_proj, which then gets its ``x^T`` contiguous for free); every other output is copied back
 to row-major, which attention, the residual adds and the sampler want (leaving all of them
 strided measured slower). MKL-packed weights (``torch.ops.mkl._mkl_linear``, inductor's
-freezing path) measured no faster than either. Left out: bfloat16 (oneDNN) and quantized
+freezing path) measured no faster than either. A bfloat16 layer takes the kernel for the same
+rows (it widens the weight as it reads it, sums in float32, and the result is rounded to bfloat16
+as ``F.linear``'s is) and ``F.linear`` (oneDNN) for the others. Left out: float16 and quantized
 weights.
 """
 
@@ -28,7 +30,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from minicore.model.native import linear
+from minicore.model.native import KERNEL_DTYPES, linear
 
 # Rows (tokens) for which the swapped product is used, and for which the native kernel is; see
 # the module docstring.
@@ -38,12 +40,12 @@ WIDE = 8
 
 
 def use_cpu_linear(model: torch.nn.Module, kernels: ctypes.CDLL | None = None) -> int:
-    """Swap the forward of each float32 ``nn.Linear`` of a CPU model (the tied LM head
-    included), with ``kernels`` (native.py) for the fewest rows; returns how many were
+    """Swap the forward of each float32 or bfloat16 ``nn.Linear`` of a CPU model (the tied LM
+    head included), with ``kernels`` (native.py) for the fewest rows; returns how many were
     swapped."""
     swapped = 0
     for name, module in model.named_modules():
-        if (type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
+        if (type(module) is torch.nn.Linear and module.weight.dtype in KERNEL_DTYPES
                 and module.weight.device.type == "cpu"):
             module.forward = _SwappedLinear(module.weight, module.bias,
                                             name.endswith(("gate_proj", "up_proj")), kernels)
@@ -58,19 +60,22 @@ class _SwappedLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool,
                  kernels: ctypes.CDLL | None):
         self.weight, self.bias, self.transposed = weight, bias, transposed
-        # The kernel reads the weight's storage as row-major.
+        # The kernel reads the weight's storage as row-major, and a float32 bias.
         self.kernels = kernels if weight.is_contiguous() else None
+        self.kernel_bias = None if bias is None else bias.float()
         out_features, in_features = weight.shape
         self.kernel_rows = MAX_ROWS if out_features >= WIDE * in_features else MAX_KERNEL_ROWS
+        # The swapped product is measured faster in float32 only.
+        self.swapped_rows = range(MIN_ROWS, MAX_ROWS + 1) if weight.dtype == torch.float32 else ()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if x.dtype != torch.float32 or torch.is_grad_enabled():
+        if x.dtype != self.weight.dtype or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
         if self.kernels is not None and MIN_KERNEL_ROWS <= rows.shape[0] <= self.kernel_rows:
-            out = linear(self.kernels, rows, self.weight, self.bias)
+            out = linear(self.kernels, rows, self.weight, self.kernel_bias).to(x.dtype)
             return out.view(*x.shape[:-1], out.shape[1])
-        if not MIN_ROWS <= rows.shape[0] <= MAX_ROWS:
+        if rows.shape[0] not in self.swapped_rows:
             return F.linear(x, self.weight, self.bias)
         if self.bias is None:
             out = torch.mm(self.weight, rows.t())

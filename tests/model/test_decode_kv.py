@@ -121,20 +121,23 @@ def test_pools_under_random_traffic(num_blocks, chunk_size, expect_fallback, nat
         assert traffic.whole_steps < traffic.pool_steps
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
-def test_the_rows_plugged_in_attend_as_the_default_gather_does(native):
+def test_the_rows_plugged_in_attend_as_the_default_gather_does(native, dtype):
     """The attention function with the runner's CPU rows plugged in (decode_kv.py) and with its
-    default (GatheredDecode): the same steps, the same outputs; and rows past the pools' bound
-    plan the default for that step."""
+    default (GatheredDecode): the same steps, the same outputs (in bfloat16, within its rounding:
+    the kernel sums in float32, torch in bfloat16); and rows past the pools' bound plan the
+    default for that step."""
     torch.manual_seed(0)
     tables = {"a": [3, 1, 5], "b": [2, 4, 6]}
-    caches = [[torch.zeros(kv_cache_shape(8, BLOCK, KV_HEADS, DIM))] for _ in range(2)]
+    caches = [[torch.zeros(kv_cache_shape(8, BLOCK, KV_HEADS, DIM), dtype=dtype)]
+              for _ in range(2)]
     backends = [GatheredDecode(), DecodeKVBuffers(caches[1], chunk_size=BLOCK,
                                                   kernel=native_kernel() if native else None)]
     for step in ({"a": (0, 7), "b": (0, 5)}, {"a": (7, 8), "b": (5, 6)},
                  {"b": (6, 7), "a": (8, 9)}):
         computed, new = [a for a, _ in step.values()], [b - a for a, b in step.values()]
-        q, k, v = (torch.randn(sum(new), h, DIM) for h in (HEADS, KV_HEADS, KV_HEADS))
+        q, k, v = (torch.randn(sum(new), h, DIM, dtype=dtype) for h in (HEADS, KV_HEADS, KV_HEADS))
         outs = []
         for backend, cache in zip(backends, caches):
             meta = AttentionMetadata.build([tables[s] for s in step], computed, new, cache,
@@ -143,7 +146,9 @@ def test_the_rows_plugged_in_attend_as_the_default_gather_does(native):
                 x.transpose(0, 1)[None] for x in (q, k, v)), None, DIM**-0.5,
                 minicore_meta=meta)[0])
         assert isinstance(meta.decode_attention, RowKV)
-        torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+        assert outs[1].dtype == dtype
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(outs[1], outs[0], atol=tolerance, rtol=tolerance)
     small = DecodeKVBuffers([torch.zeros(kv_cache_shape(2, BLOCK, KV_HEADS, DIM))],
                             chunk_size=BLOCK)
     assert small.plan(["x"], [0], [9], {"x"}) is GATHERED_DECODE  # 3 chunks, 2 blocks' slots

@@ -1,7 +1,8 @@
 """The native decode attention kernel (minicore/model/native.py): how it is built and found, and
 its output against dense attention over randomly laid out pools (several chunks, slots in any
 order, lengths ending anywhere, GQA groups, head sizes that are not a multiple of 8, sliding
-window, soft-cap)."""
+window, soft-cap), and its linear layer against F.linear; each over float32 and bfloat16 storage
+(bfloat16 widened exactly, so the references are float32 over the same values)."""
 
 import logging
 import os
@@ -76,45 +77,56 @@ def _dense(q, k, v, scaling, window, softcap):
     return torch.einsum("hgl,lhd->hgd", scores.softmax(-1), v)
 
 
+DTYPES = [torch.float32, torch.bfloat16]
+# The kernel's float32 result against the float32 reference, after rounding to the query's dtype.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group,dim,window,softcap", [
     (3, 64, None, None), (1, 12, None, None), (4, 8, 7, None), (2, 20, None, 0.7), (3, 8, 5, 2.0)])
-def test_matches_dense_attention_over_scattered_pools(group, dim, window, softcap):
+def test_matches_dense_attention_over_scattered_pools(group, dim, window, softcap, dtype):
     lib = native_kernel()
     gen = torch.Generator().manual_seed(group * dim)
     heads, chunk, capacity, layers = 2, 16, 9, 2
     lens = [1, 5, 16, 17, 40, 33, 48]
     chunks = -(-max(lens) // chunk)
-    pools = [[torch.randn(2, capacity, heads, chunk, dim, generator=gen) * 2
+    pools = [[(torch.randn(2, capacity, heads, chunk, dim, generator=gen) * 2).to(dtype)
               for _ in range(chunks)] for _ in range(layers)]
     # Each sequence's slot in each chunk: distinct per chunk, in no particular order.
     slots = torch.stack([torch.randperm(capacity, generator=gen)[:len(lens)]
                          for _ in range(chunks)], dim=1)
-    q = torch.randn(len(lens), heads, group, dim, generator=gen)
+    q = torch.randn(len(lens), heads, group, dim, generator=gen).to(dtype)
     scaling = dim**-0.5
     for layer in range(layers):
-        pointers = torch.tensor([[p.data_ptr() + i * p.stride(0) * 4 for p in pools[layer]]
-                                 for i in (0, 1)])
+        pointers = torch.tensor([[p.data_ptr() + i * p.stride(0) * p.element_size()
+                                  for p in pools[layer]] for i in (0, 1)])
         out = decode_attention(lib, q, pointers, slots, torch.tensor(lens), chunk, max(lens),
-                               scaling, window, softcap)
+                               scaling, window, softcap, dtype)
+        assert out.dtype == dtype
         for b, length in enumerate(lens):
             k, v = (torch.cat([pools[layer][c][i, slots[b, c]].transpose(0, 1)
-                               for c in range(chunks)])[:length] for i in (0, 1))
-            torch.testing.assert_close(out[b], _dense(q[b], k, v, scaling, window, softcap),
-                                       atol=1e-5, rtol=1e-5)
+                               for c in range(chunks)])[:length].float() for i in (0, 1))
+            expected = _dense(q[b].float(), k, v, scaling, window, softcap).to(dtype)
+            torch.testing.assert_close(out[b], expected, atol=TOLERANCE[dtype],
+                                       rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,out_features,in_features,bias", [
     (1, 7, 5, True), (3, 64, 100, False), (8, 13, 576, True), (16, 1536, 576, False),
     (17, 576, 1536, True), (32, 33, 64, False)])
-def test_linear_matches_f_linear(rows, out_features, in_features, bias):
+def test_linear_matches_f_linear(rows, out_features, in_features, bias, dtype):
     """Any row count (full and partial blocks of 8 and 16), output sizes that are not a multiple
-    of 4, input sizes that are not a multiple of 8."""
+    of 4, input sizes that are not a multiple of 8; a bfloat16 weight summed in float32."""
     lib = native_kernel()
     gen = torch.Generator().manual_seed(rows * out_features)
-    x = torch.randn(rows, in_features, generator=gen)
-    w = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
-    b = torch.randn(out_features, generator=gen) if bias else None
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    w = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).to(dtype)
+    b = torch.randn(out_features, generator=gen).to(dtype) if bias else None
     out = native.linear(lib, x, w, b)
     assert out.shape == (rows, out_features) and out.is_contiguous()
+    assert out.dtype == torch.float32
     # float32 sums of a few hundred terms in another order than MKL's: a few ulps apart.
-    torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    expected = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

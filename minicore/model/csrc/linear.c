@@ -1,11 +1,11 @@
-/* Linear layers of float32 CPU models at decode batch sizes: out = x W^T (+ bias) for a few rows
- * of x, reading each weight once, in place (no packing: MKL packs the whole weight on every call,
- * which at 16 rows costs as much as the product). Built and loaded by minicore/model/native.py;
+/* Linear layers of CPU models at decode batch sizes: out = x W^T (+ bias) for a few rows of x,
+ * reading each weight once, in place (no packing: MKL packs the whole weight on every call,
+ * which at 16 rows costs as much as the product). x, bias and out are float32; W is float32 or
+ * bfloat16 (widened as read, the sums in float32). Built and loaded by minicore/model/native.py;
  * used by minicore/model/cpu_linear.py. */
-#include <stdint.h>
 #include <stdlib.h>
 
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
+#include "bf16.h"
 
 /* Output rows (weight rows) per block: 6 rows by 16 columns of x keep 12 accumulators, the two
  * loads of x and a broadcast in the 16 AVX registers. */
@@ -23,27 +23,30 @@ static inline v8 load(const float *p) {
 
 /* acc[h][r] = sum over k of w[r][k] * xt[k][m0 + 8h .. m0 + 8h + 8), for h < 2 (h < 1 when one),
  * from xt, x transposed and padded to mp columns. */
-static inline void block(const float *xt, int mp, int m0, int one, const float *const *w,
-                         int k_len, v8 acc[2][ROWS]) {
-    const float *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3], *w4 = w[4], *w5 = w[5];
+INLINE void block(const float *xt, int mp, int m0, int one, const void *const *w, int k_len,
+                  v8 acc[2][ROWS], int bf16) {
+    const void *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3], *w4 = w[4], *w5 = w[5];
     v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0};
     v8 b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0}, b4 = {0}, b5 = {0};
     const float *xk = xt + m0;
     if (one) {
         for (int k = 0; k < k_len; k++, xk += mp) {
             v8 x0 = load(xk);
-            a0 += w0[k] * x0; a1 += w1[k] * x0; a2 += w2[k] * x0;
-            a3 += w3[k] * x0; a4 += w4[k] * x0; a5 += w5[k] * x0;
+            a0 += elem(w0, k, bf16) * x0; a1 += elem(w1, k, bf16) * x0;
+            a2 += elem(w2, k, bf16) * x0; a3 += elem(w3, k, bf16) * x0;
+            a4 += elem(w4, k, bf16) * x0; a5 += elem(w5, k, bf16) * x0;
         }
     } else {
         for (int k = 0; k < k_len; k++, xk += mp) {
             v8 x0 = load(xk), x1 = load(xk + 8);
-            a0 += w0[k] * x0; b0 += w0[k] * x1;
-            a1 += w1[k] * x0; b1 += w1[k] * x1;
-            a2 += w2[k] * x0; b2 += w2[k] * x1;
-            a3 += w3[k] * x0; b3 += w3[k] * x1;
-            a4 += w4[k] * x0; b4 += w4[k] * x1;
-            a5 += w5[k] * x0; b5 += w5[k] * x1;
+            float c0 = elem(w0, k, bf16), c1 = elem(w1, k, bf16), c2 = elem(w2, k, bf16);
+            float c3 = elem(w3, k, bf16), c4 = elem(w4, k, bf16), c5 = elem(w5, k, bf16);
+            a0 += c0 * x0; b0 += c0 * x1;
+            a1 += c1 * x0; b1 += c1 * x1;
+            a2 += c2 * x0; b2 += c2 * x1;
+            a3 += c3 * x0; b3 += c3 * x1;
+            a4 += c4 * x0; b4 += c4 * x1;
+            a5 += c5 * x0; b5 += c5 * x1;
         }
     }
     v8 all[2][ROWS] = {{a0, a1, a2, a3, a4, a5}, {b0, b1, b2, b3, b4, b5}};
@@ -52,10 +55,31 @@ static inline void block(const float *xt, int mp, int m0, int one, const float *
             acc[h][r] = all[h][r];
 }
 
-/* out[m, n] = bias[n] + sum over k of x[m, k] w[n, k]; x [m_len, k_len], w [n_len, k_len] and out
- * [m_len, n_len] row-major; bias may be NULL. Returns 0, or -1 if out of memory. */
-int linear_rows(const float *x, const float *w, const float *bias, float *out, int m_len,
-                int n_len, int k_len, int threads) {
+/* Output rows [n0, n0 + ROWS) of out, for every row of x. */
+INLINE void row_block(const float *xt, int mp, const void *w, const float *bias, float *out,
+                      int m_len, int n_len, int k_len, int n0, int bf16) {
+    int rows = n_len - n0 < ROWS ? n_len - n0 : ROWS;
+    /* A last block's missing rows read its first row: computed, never stored. */
+    const void *rows_w[ROWS];
+    for (int r = 0; r < ROWS; r++)
+        rows_w[r] = (const char *)w + (size_t)(n0 + (r < rows ? r : 0)) * k_len * elem_size(bf16);
+    for (int m0 = 0; m0 < mp; m0 += 16) {
+        int one = m0 + 8 >= mp;
+        v8 acc[2][ROWS];
+        block(xt, mp, m0, one, rows_w, k_len, acc, bf16);
+        for (int h = 0; h <= !one; h++)
+            for (int i = 0; i < 8 && m0 + 8 * h + i < m_len; i++)
+                for (int r = 0; r < rows; r++)
+                    out[(size_t)(m0 + 8 * h + i) * n_len + n0 + r] =
+                        acc[h][r][i] + (bias ? bias[n0 + r] : 0.0f);
+    }
+}
+
+/* out[m, n] = bias[n] + sum over k of x[m, k] w[n, k]; x [m_len, k_len], w [n_len, k_len] (float32,
+ * or bfloat16 when bf16) and out [m_len, n_len] row-major; bias may be NULL. Returns 0, or -1 if
+ * out of memory. */
+int linear_rows(const float *x, const void *w, const float *bias, float *out, int m_len,
+                int n_len, int k_len, int threads, int bf16) {
     int mp = (m_len + 7) / 8 * 8;
     float *xt = malloc(sizeof(float) * (size_t)k_len * mp);
     if (!xt)
@@ -66,21 +90,10 @@ int linear_rows(const float *x, const float *w, const float *bias, float *out, i
     int blocks = (n_len + ROWS - 1) / ROWS;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int nb = 0; nb < blocks; nb++) {
-        int n0 = nb * ROWS, rows = n_len - n0 < ROWS ? n_len - n0 : ROWS;
-        /* A last block's missing rows read its first row: computed, never stored. */
-        const float *rows_w[ROWS];
-        for (int r = 0; r < ROWS; r++)
-            rows_w[r] = w + (size_t)(n0 + (r < rows ? r : 0)) * k_len;
-        for (int m0 = 0; m0 < mp; m0 += 16) {
-            int one = m0 + 8 >= mp;
-            v8 acc[2][ROWS];
-            block(xt, mp, m0, one, rows_w, k_len, acc);
-            for (int h = 0; h <= !one; h++)
-                for (int i = 0; i < 8 && m0 + 8 * h + i < m_len; i++)
-                    for (int r = 0; r < rows; r++)
-                        out[(size_t)(m0 + 8 * h + i) * n_len + n0 + r] =
-                            acc[h][r][i] + (bias ? bias[n0 + r] : 0.0f);
-        }
+        if (bf16)
+            row_block(xt, mp, w, bias, out, m_len, n_len, k_len, nb * ROWS, 1);
+        else
+            row_block(xt, mp, w, bias, out, m_len, n_len, k_len, nb * ROWS, 0);
     }
     free(xt);
     return 0;
