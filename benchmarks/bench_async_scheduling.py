@@ -40,8 +40,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_disagg import Processes, run_bench  # noqa: E402
-from bench_spec_decode import cpu_description  # noqa: E402
 from bench_throughput import make_workload  # noqa: E402
+from machine import cpu_description  # noqa: E402
 
 from minicore.config import create_engine_config  # noqa: E402
 from minicore.engine.core import EngineCore  # noqa: E402

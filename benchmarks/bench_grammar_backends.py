@@ -27,8 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_spec_decode import cpu_description  # noqa: E402
 from bench_structured_outputs import COST_SCHEMA  # noqa: E402
+from machine import cpu_description  # noqa: E402
 
 LLGUIDANCE = "llguidance==1.9.1"
 DOCUMENT = {"customer": "Ada Lovelace", "items": [

@@ -14,13 +14,23 @@ figures). Left out: the other datasets, goodput and the profiler.
     python -m minicore serve &    # or any OpenAI-compatible server
     python benchmarks/bench_serve.py --num-prompts 200 --random-input-len 128 \
         --random-output-len 32 --max-concurrency 16
+
+--vllm instead starts the servers itself, one after the other on a free port, each alone on the
+machine: `python -m minicore serve` (with --minicore-args) and `vllm serve` of vLLM's CPU build
+in its own virtualenv (benchmarks/vllm_differential.py --setup makes it; its default dtype, a
+1 GiB KV cache as minicore's CPU default, --vllm-args), drives both with the same requests, and
+prints the two output throughputs side by side with the CPU's model and bfloat16 flags.
 """
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
+import shlex
+import signal
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -32,7 +42,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minicore.model.loader import load_tokenizer, resolve_model_dir
+from machine import cpu_description  # noqa: E402
+from vllm_side import VENV  # noqa: E402
+
+from minicore.model.loader import load_tokenizer, resolve_model_dir  # noqa: E402
+from minicore.utils import free_port  # noqa: E402
+
+SERVER_START_TIMEOUT_S = 900  # vLLM's CPU build compiles the model at startup
 
 
 @dataclass(slots=True)
@@ -168,8 +184,7 @@ def print_result(result: dict, args, pcts: list[float]) -> None:
     print("=" * 50)
 
 
-async def benchmark(args) -> None:
-    base = args.base_url or f"http://{args.host}:{args.port}"
+async def benchmark(args, base: str, result_filename: str) -> dict:
     url = base + args.endpoint
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -219,9 +234,72 @@ async def benchmark(args) -> None:
         "random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
         "requests": [asdict(o) for o in outputs],
     })
-    path = Path(args.result_dir) / args.result_filename
+    path = Path(args.result_dir) / result_filename
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+    return result
+
+
+@contextlib.contextmanager
+def started_server(command: list[str], port: int):
+    """A server started in its own session, yielding its base URL once /health answers 200; on
+    exit its process group gets SIGTERM, then SIGKILL."""
+    proc = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while not _healthy(base):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{shlex.join(command)} did not start (exit {proc.poll()})")
+            time.sleep(1)
+        yield base
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _healthy(base: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(base + "/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def side_by_side(args) -> None:
+    """minicore's server and vLLM's, each started alone and driven with the same requests."""
+    port = free_port()
+    model_dir = str(resolve_model_dir(args.tokenizer))
+    sides = {
+        "minicore": [sys.executable, "-m", "minicore", "serve", "--port", str(port),
+                     *shlex.split(args.minicore_args)],
+        "vllm": [str(VENV / "bin" / "vllm"), "serve", model_dir, "--port", str(port),
+                 "--kv-cache-memory-bytes", str(1 << 30), *shlex.split(args.vllm_args)],
+    }
+    results = {}
+    for name, command in sides.items():
+        print(f"starting {name}: {shlex.join(command)}", flush=True)
+        with started_server(command, port) as base:
+            stem = Path(args.result_filename).stem
+            results[name] = asyncio.run(benchmark(args, base, f"{stem}_{name}.json"))
+    print(f"CPU: {cpu_description()}")
+    for name, result in results.items():
+        print(f"{name:10} output {result['output_throughput']:8.1f} tok/s, "
+              f"median TPOT {result['median_tpot_ms']:7.1f} ms, failed {result['failed']}")
+    ratio = results["minicore"]["output_throughput"] / results["vllm"]["output_throughput"]
+    print(f"minicore / vLLM output throughput: {ratio:.2f}x")
+    path = Path(args.result_dir) / args.result_filename
+    path.write_text(json.dumps({"cpu": cpu_description(), "ratio": ratio, "sides": {
+        name: {k: v for k, v in r.items() if k != "requests"} for name, r in results.items()}},
+        indent=1))
     print(f"wrote {path}")
 
 
@@ -251,11 +329,19 @@ def main() -> None:
     ap.add_argument("--metric-percentiles", default="99")
     ap.add_argument("--result-dir", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--result-filename", default="bench_serve.json")
+    ap.add_argument("--vllm", action="store_true",
+                    help="start minicore's and vLLM's servers in turn and compare them")
+    ap.add_argument("--minicore-args", default="", help="with --vllm: minicore serve's flags")
+    ap.add_argument("--vllm-args", default="", help="with --vllm: vllm serve's flags")
     args = ap.parse_args()
     if args.endpoint is None:
         args.endpoint = ("/v1/chat/completions" if args.backend == "openai-chat"
                          else "/v1/completions")
-    asyncio.run(benchmark(args))
+    if args.vllm:
+        side_by_side(args)
+    else:
+        base = args.base_url or f"http://{args.host}:{args.port}"
+        asyncio.run(benchmark(args, base, args.result_filename))
 
 
 if __name__ == "__main__":

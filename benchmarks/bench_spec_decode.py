@@ -27,6 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from machine import cpu_description  # noqa: E402
+
 from minicore.llm import LLM  # noqa: E402
 from minicore.sampling_params import SamplingParams  # noqa: E402
 
@@ -78,16 +80,6 @@ def repetitive_prompts() -> list[list[dict]]:
 
 def open_prompts() -> list[list[dict]]:
     return [[{"role": "user", "content": q}] for q in OPEN]
-
-
-def cpu_description() -> str:
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines()
-                  if line.startswith("model name")), "unknown CPU")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines()
-                  if line.startswith("flags")), [])
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-    return f"{model}; flags: {' '.join(f for f in wanted if f in flags) or 'none of interest'}"
 
 
 def spec_stats(llm: LLM):

@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_spec_decode import cpu_description  # noqa: E402
+from machine import cpu_description  # noqa: E402
 from vllm_side import run_vllm  # noqa: E402
 
 from minicore.llm import LLM  # noqa: E402

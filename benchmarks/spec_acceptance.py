@@ -34,13 +34,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_spec_decode import (  # noqa: E402
-    add_spec_args,
-    cpu_description,
-    repetitive_prompts,
-    spec_config,
-)
+from bench_spec_decode import add_spec_args, repetitive_prompts, spec_config  # noqa: E402
 from bench_throughput import make_workload  # noqa: E402
+from machine import cpu_description  # noqa: E402
 
 from minicore.config import CacheConfig, SchedulerConfig  # noqa: E402
 from minicore.dp.simulator import (  # noqa: E402

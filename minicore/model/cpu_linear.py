@@ -19,9 +19,11 @@ comes out transposed: the MLP's gate/up projections hand it on as a view (their 
 down_proj, which then gets its ``x^T`` contiguous for free); every other output is copied back
 to row-major, which attention, the residual adds and the sampler want (leaving all of them
 strided measured slower). MKL-packed weights (``torch.ops.mkl._mkl_linear``, inductor's
-freezing path) measured no faster than either. A bfloat16 layer takes the kernel for the same
-rows (it widens the weight as it reads it, sums in float32, and the result is rounded to bfloat16
-as ``F.linear``'s is) and ``F.linear`` (oneDNN) for the others. Left out: float16 and quantized
+freezing path) measured no faster than either. A bfloat16 layer takes the kernel (it widens the
+weight as it reads it, sums in float32, and the result is rounded to bfloat16 as ``F.linear``'s
+is) for the same rows on a CPU with native bfloat16, and up to 256 rows on one without, where
+oneDNN's bfloat16 product is emulated and 3 to 5 times slower than the kernel at any row count up
+to 256 (docs/BENCHMARKS.md); ``F.linear`` takes the others. Left out: float16 and quantized
 weights.
 """
 
@@ -30,6 +32,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
+from minicore.model.loader import native_bf16_flags
 from minicore.model.native import KERNEL_DTYPES, linear
 
 # Rows (tokens) for which the swapped product is used, and for which the native kernel is; see
@@ -37,6 +40,8 @@ from minicore.model.native import KERNEL_DTYPES, linear
 MIN_ROWS, MAX_ROWS, MIN_KERNEL_ROWS, MAX_KERNEL_ROWS = 12, 128, 2, 32
 # Layers this many times wider than deep (an LM head) take the kernel up to MAX_ROWS.
 WIDE = 8
+# Rows up to which a bfloat16 layer takes the kernel where bfloat16 is emulated.
+EMULATED_BF16_KERNEL_ROWS = 256
 
 
 def use_cpu_linear(model: torch.nn.Module, kernels: ctypes.CDLL | None = None) -> int:
@@ -65,6 +70,8 @@ class _SwappedLinear:
         self.kernel_bias = None if bias is None else bias.float()
         out_features, in_features = weight.shape
         self.kernel_rows = MAX_ROWS if out_features >= WIDE * in_features else MAX_KERNEL_ROWS
+        if weight.dtype == torch.bfloat16 and not native_bf16_flags():
+            self.kernel_rows = EMULATED_BF16_KERNEL_ROWS
         # The swapped product is measured faster in float32 only.
         self.swapped_rows = range(MIN_ROWS, MAX_ROWS + 1) if weight.dtype == torch.float32 else ()
 

@@ -288,7 +288,7 @@ def resolve_auto_dtype(device_type: str) -> torch.dtype:
 
     if device_type == "cuda":
         return torch.bfloat16
-    native = [flag for flag in NATIVE_BF16_FLAGS if flag in cpu_flags()]
+    native = native_bf16_flags()
     if native:
         logger.info("--dtype auto: bfloat16, as this CPU computes it natively (%s); "
                     "--dtype float32 overrides", ", ".join(native))
@@ -297,6 +297,11 @@ def resolve_auto_dtype(device_type: str) -> torch.dtype:
                 "would emulate it, slower; --dtype bfloat16 overrides",
                 " or ".join(NATIVE_BF16_FLAGS))
     return torch.float32
+
+
+def native_bf16_flags() -> list[str]:
+    """Which of NATIVE_BF16_FLAGS this CPU has (none: bfloat16 arithmetic is emulated)."""
+    return [flag for flag in NATIVE_BF16_FLAGS if flag in cpu_flags()]
 
 
 @functools.cache

@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from test_native import native_kernel
 
-from minicore.model import native
+from minicore.model import cpu_linear, native
 from minicore.model.cpu_linear import (
+    EMULATED_BF16_KERNEL_ROWS,
     MAX_KERNEL_ROWS,
     MAX_ROWS,
     MIN_KERNEL_ROWS,
@@ -86,20 +87,26 @@ def test_native_kernel_takes_the_fewest_rows():
                     _same(out, F.linear(x_in, w, b))
 
 
-def test_a_bfloat16_layer_takes_the_kernel_for_the_fewest_rows_and_f_linear_otherwise():
+@pytest.mark.parametrize("native_bf16", [True, False], ids=["native", "emulated"])
+def test_a_bfloat16_layer_takes_the_kernel_for_the_fewest_rows_and_f_linear_otherwise(
+        monkeypatch, native_bf16):
     """The kernel's float32 sums over the widened weight, rounded to bfloat16 once: within one
-    bfloat16 rounding of F.linear (oneDNN's bfloat16 product); every other row count is
-    F.linear's own result, bit for bit (no swapped product in bfloat16)."""
+    bfloat16 rounding of F.linear (oneDNN's bfloat16 product), for as many rows as float32's on a
+    CPU with native bfloat16 and up to EMULATED_BF16_KERNEL_ROWS on one without; every other row
+    count is F.linear's own result, bit for bit (no swapped product in bfloat16)."""
+    flags = ["amx_bf16"] if native_bf16 else []
+    monkeypatch.setattr(cpu_linear, "native_bf16_flags", lambda: flags)
     kernels = native_kernel()
     model = _model()
     weight, bias = model.bf16_proj.weight, model.bf16_proj.bias
     use_cpu_linear(model, kernels)
+    most = MAX_KERNEL_ROWS if native_bf16 else EMULATED_BF16_KERNEL_ROWS
     with torch.inference_mode():
-        for rows in [1, MIN_KERNEL_ROWS, 7, MAX_KERNEL_ROWS, MAX_KERNEL_ROWS + 1, 64]:
+        for rows in [1, MIN_KERNEL_ROWS, 7, MAX_KERNEL_ROWS, MAX_KERNEL_ROWS + 1, most, most + 1]:
             x = torch.randn(rows, 96).to(torch.bfloat16)
             out = model.bf16_proj(x)
             assert out.dtype == torch.bfloat16 and out.shape == (rows, 8)
-            if MIN_KERNEL_ROWS <= rows <= MAX_KERNEL_ROWS:
+            if MIN_KERNEL_ROWS <= rows <= most:
                 assert torch.equal(out, native.linear(kernels, x, weight, bias).to(torch.bfloat16))
                 torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=2e-2, atol=2e-2)
             else:
