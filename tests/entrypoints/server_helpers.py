@@ -27,8 +27,10 @@ class ServerProcess:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix="minicore-serve-", suffix=".log")[1])
+        # float32 unless a test asks otherwise: the servers' outputs are compared with float32
+        # references, and --dtype auto would be bfloat16 on a CPU with native bfloat16.
         self.args = [sys.executable, "-m", "minicore", "serve", "--port", str(self.port),
-                     "--disable-uvicorn-access-log", *args]
+                     "--disable-uvicorn-access-log", "--dtype", "float32", *args]
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self):
