@@ -29,6 +29,13 @@ static inline int64_t window_start(int64_t len, int64_t window) {
     return window > 0 && len > window ? len - window : 0;
 }
 
+/* What both passes read: the pools (keys or values), each request's slots and length, shapes. */
+typedef struct {
+    const int64_t *pools, *slots, *seq_lens;
+    int heads, group, dim, chunk, max_chunks, max_len;
+    int64_t window;
+} reads;
+
 /* The positions [start, end) of request b that lie in chunk c, and where the first one's row of
  * head h is in that chunk's pool ([slots, heads, chunk, dim]). */
 typedef struct {
@@ -36,24 +43,17 @@ typedef struct {
     const char *rows;
 } span;
 
-INLINE span chunk_span(const int64_t *pools, const int64_t *slots, int64_t b, int64_t c,
-                       int64_t first, int64_t len, int h, int heads, int chunk, int max_chunks,
-                       int dim, int bf16) {
+INLINE span chunk_span(const reads *r, int64_t b, int64_t c, int64_t first, int64_t len, int h,
+                       int bf16) {
     span s;
+    int64_t chunk = r->chunk;
     s.start = first > c * chunk ? first : c * chunk;
     s.end = len < (c + 1) * chunk ? len : (c + 1) * chunk;
-    const char *pool = (const char *)(intptr_t)pools[c];
-    int64_t row = (slots[b * max_chunks + c] * heads + h) * chunk + s.start - c * chunk;
-    s.rows = pool + row * dim * elem_size(bf16);
+    const char *pool = (const char *)(intptr_t)r->pools[c];
+    int64_t row = (r->slots[b * r->max_chunks + c] * r->heads + h) * chunk + s.start - c * chunk;
+    s.rows = pool + row * r->dim * elem_size(bf16);
     return s;
 }
-
-/* What both passes read: the pools (keys or values), each request's slots and length, shapes. */
-typedef struct {
-    const int64_t *pools, *slots, *seq_lens;
-    int heads, group, dim, chunk, max_chunks, max_len;
-    int64_t window;
-} reads;
 
 /* scores[b, h, g, p] = scale * q[b, h, g] . key(b, h, p) for p in [first, len), -inf elsewhere;
  * first = len - window when window > 0. softcap > 0 caps: cap * tanh(s / cap). */
@@ -66,8 +66,7 @@ INLINE void scores_of(const reads *r, int bh, const float *q, float scale, float
     for (int64_t i = 0; i < group * max_len; i++)
         out[i] = -INFINITY;
     for (int64_t c = first / r->chunk; c * r->chunk < len; c++) {
-        span s = chunk_span(r->pools, r->slots, b, c, first, len, h, r->heads, r->chunk,
-                            r->max_chunks, dim, bf16);
+        span s = chunk_span(r, b, c, first, len, h, bf16);
         const char *k = s.rows;
         for (int64_t p = s.start; p < s.end; p++, k += dim * elem_size(bf16))
             for (int g = 0; g < group; g++) {
@@ -85,8 +84,7 @@ INLINE void values_of(const reads *r, int bh, const float *probs, float *out, in
     float *ob = out + (int64_t)bh * group * dim;
     memset(ob, 0, sizeof(float) * group * dim);
     for (int64_t c = first / r->chunk; c * r->chunk < len; c++) {
-        span s = chunk_span(r->pools, r->slots, b, c, first, len, h, r->heads, r->chunk,
-                            r->max_chunks, dim, bf16);
+        span s = chunk_span(r, b, c, first, len, h, bf16);
         const char *v = s.rows;
         for (int64_t p = s.start; p < s.end; p++, v += dim * elem_size(bf16))
             for (int g = 0; g < group; g++) {
