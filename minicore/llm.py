@@ -6,6 +6,8 @@ Requests are built by the same InputProcessor and read back by the same OutputPr
 server's (minicore/engine/); chat formats conversations with the server's chat_utils.
 SamplingParams.n fans a prompt out into n engine requests (the j-th seeded with seed + j) whose
 outputs come back as one RequestOutput with n CompletionOutputs, as vLLM's ParentRequest does.
+The control plane (sleep / wake_up, pause_generation / resume_generation, collective_rpc, the
+weight update) calls the engine's utility methods (minicore/engine/control.py) in this process.
 Left out: beam search, pooling, LoRA, multimodal and embeds prompts, and data
 parallelism (one engine in this process; DP runs through `python -m minicore serve
 --data-parallel-size N` or AsyncLLM).
@@ -21,6 +23,7 @@ from tqdm.auto import tqdm
 
 from minicore.arg_utils import resolve_chat_template
 from minicore.config import create_engine_config
+from minicore.engine.control import PauseMode
 from minicore.engine.core import EngineCore
 from minicore.engine.input_processor import InputProcessor
 from minicore.engine.launch import log_engine_config, resolve_max_model_len, resolve_model
@@ -195,6 +198,10 @@ class LLM:
 
     def _run(self, parents: list[_Parent], use_tqdm) -> list[RequestOutput]:
         engine, processor = self.llm_engine, self.output_processor
+        if engine.is_scheduler_paused():
+            state = "asleep: call wake_up()" if engine.is_sleeping() else (
+                "paused: call resume_generation()")
+            raise RuntimeError(f"the engine is {state} first, or nothing would be generated")
         requests = [child for parent in parents for child in parent.children]
         for parent in parents:
             for child in parent.children:
@@ -226,6 +233,54 @@ class LLM:
             processor.abort_requests(unfinished)
             engine.abort_requests(unfinished)
         return [_merge(parent, finished) for parent in parents]
+
+
+    # ---- the control plane (vLLM's LLM.sleep, wake_up, collective_rpc, reset_prefix_cache) ----
+
+    def sleep(self, level: int = 1, mode: PauseMode = "abort") -> None:
+        """Release memory until wake_up: the KV cache (level 1), and the weights (level 2, reloaded
+        from the model directory on wake-up)."""
+        self.llm_engine.sleep(level, mode)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back "weights" and/or "kv_cache" (None: both); generation resumes once both are."""
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
+    def pause_generation(self, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
+        """Hold the scheduler (generate raises until resume_generation). Between generate calls
+        nothing is in flight, so the modes differ only for an engine driven step by step."""
+        self.llm_engine.pause_scheduler(mode, clear_cache)
+
+    def resume_generation(self) -> None:
+        self.llm_engine.resume_scheduler()
+
+    def is_paused(self) -> bool:
+        return self.llm_engine.is_scheduler_paused()
+
+    def collective_rpc(self, method: str | Callable, timeout: float | None = None,
+                       args: tuple = (), kwargs: dict | None = None) -> list:
+        """Run method on every worker (here one, the model runner): a name of its public methods
+        (load_weights(path), ...) or a function called with the runner first; one result each."""
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return self.llm_engine.reset_prefix_cache(reset_running_requests)
+
+    def start_weight_update(self) -> None:
+        self.llm_engine.start_weight_update()
+
+    def update_weights(self, update_info: dict) -> None:
+        """Load weights in place from update_info["path"] (a safetensors file or directory)."""
+        self.llm_engine.update_weights(update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm_engine.finish_weight_update(weight_version)
+
+    def get_weight_version(self) -> str:
+        return self.llm_engine.get_weight_version()
 
 
 def _merge(parent: _Parent, finished: dict[str, RequestOutput]) -> RequestOutput:

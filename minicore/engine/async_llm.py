@@ -7,16 +7,21 @@ request's stream. The server (minicore/entrypoints/) and the benchmarks drive it
 
 Streams are cumulative (each RequestOutput has all text and token ids so far) and coalescing: a
 consumer that falls behind gets the newest state, not a backlog. When the engine dies, every
-stream in flight ends with EngineDeadError at once. Left out: several API servers, logprobs,
-n > 1 fan-out (the server makes one request per choice), LoRA, pooling.
+stream in flight ends with EngineDeadError at once. The control plane (vLLM's AsyncLLM.sleep,
+wake_up, pause_generation, resume_generation, collective_rpc, the weight update) calls every
+engine's utility method (minicore/engine/control.py) and returns when all are done; while the
+engines are paused or asleep, new requests wait here, before any engine sees them (so no DP wave
+starts), and go on at resume. Left out: several API servers, logprobs, n > 1 fan-out (the server
+makes one request per choice), LoRA, pooling.
 """
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from minicore.config import EngineConfig
+from minicore.engine.control import PAUSE_MODES, SLEEP_TAGS, PauseMode
 from minicore.engine.core_client import EngineDeadError, make_async_mp_client
 from minicore.engine.input_processor import InputProcessor, Prompt
 from minicore.engine.launch import resolve_model
@@ -44,7 +49,12 @@ class AsyncLLM:
         self.input_processor = InputProcessor(config, tokenizer, vocab_size)
         self.output_processor = OutputProcessor(tokenizer)
         self.engine_core = engine_core
-        engine_core.on_dead = self.output_processor.fail_all
+        engine_core.on_dead = self._on_dead
+        # Set while the engines take requests; new ones wait for it (pause, sleep).
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        # Called with every engine's sleep level (0: awake) after sleep and wake_up (metrics).
+        self.on_sleep_state: Callable[[list[int]], None] | None = None
         # The newest scheduler stats of each engine, by engine index.
         self.latest_stats: dict[int, SchedulerStats] = {}
         self.output_handler = asyncio.create_task(self._run_output_handler())
@@ -109,6 +119,7 @@ class AsyncLLM:
                 request_id, prompt, sampling_params, priority=priority,
                 data_parallel_rank=data_parallel_rank)
             prompt_text = prompt if isinstance(prompt, str) else None
+        await self._resumed.wait()
         queue = RequestOutputCollector()
         state = self.output_processor.add_request(request, prompt_text, queue)
         try:
@@ -137,8 +148,110 @@ class AsyncLLM:
             self.engine_core.abort_requests([state.request_id for state in aborted])
 
     async def call_utility(self, method: str, *args, engine_index: int = 0) -> Any:
-        """Call an engine utility ("get_stats", "reset_prefix_cache", "ping") on one engine."""
+        """Call an engine utility method (EngineControl's, minicore/engine/control.py) on one
+        engine; RuntimeError with the engine's message if it failed there."""
         return await self.engine_core.call_utility_async(method, *args, engine_index=engine_index)
+
+    async def call_utility_all(self, method: str, *args) -> list:
+        """The utility method on every engine at once; their results, by engine."""
+        return list(await asyncio.gather(*(
+            self.call_utility(method, *args, engine_index=i) for i in range(self.num_engines))))
+
+    # ---- the control plane ---------------------------------------------------------------------
+
+    async def pause_generation(self, mode: PauseMode = "abort", clear_cache: bool = True,
+                               wait_for_inflight_requests: bool = False) -> None:
+        """Hold generation on every engine (vLLM 0.32): "abort" ends the requests in flight with
+        finish_reason "abort", "wait" lets them finish, "keep" freezes them until
+        resume_generation (clear_cache: their KV is recomputed then). Requests sent meanwhile
+        wait. Returns once every engine is idle. wait_for_inflight_requests: vLLM's older
+        spelling of mode="wait"."""
+        mode = "wait" if wait_for_inflight_requests else mode
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}, not {mode!r}")
+        await self._holding(self.call_utility_all("pause_scheduler", mode, clear_cache))
+
+    async def resume_generation(self) -> None:
+        await self.call_utility_all("resume_scheduler")
+        self._release()
+
+    async def is_paused(self) -> bool:
+        return any(await self.call_utility_all("is_scheduler_paused"))
+
+    async def sleep(self, level: int = 1, mode: PauseMode = "abort") -> None:
+        """Pause (mode) and release memory on every engine: the KV cache, and at level 2 the
+        weights (reloaded from the model directory on wake-up)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, not {level!r}")
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}, not {mode!r}")
+        try:
+            await self._holding(self.call_utility_all("sleep", level, mode))
+        finally:
+            await self._report_sleep_state()
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back "weights" and/or "kv_cache" (None: both) on every engine; generation
+        resumes once every engine is whole."""
+        if tags is not None and (unknown := sorted(set(tags) - set(SLEEP_TAGS))):
+            raise ValueError(f"unknown tag(s) {unknown}; the tags are {list(SLEEP_TAGS)}")
+        await self.call_utility_all("wake_up", tags)
+        if not await self.is_sleeping():
+            self._release()
+        await self._report_sleep_state()
+
+    async def is_sleeping(self) -> bool:
+        return any(await self.call_utility_all("is_sleeping"))
+
+    async def collective_rpc(self, method: str | Callable, timeout: float | None = None,
+                             args: tuple = (), kwargs: dict | None = None) -> list:
+        """Run method on every worker of every engine (a name of the runner's public methods,
+        or a function called with the runner first: pickled, so the engines need
+        MINICORE_ALLOW_INSECURE_SERIALIZATION=1); one result per worker, by DP rank."""
+        results = await self.call_utility_all("collective_rpc", method, timeout, list(args),
+                                              kwargs or {})
+        return [result for per_engine in results for result in per_engine]
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return all(await self.call_utility_all("reset_prefix_cache", reset_running_requests))
+
+    async def start_weight_update(self) -> None:
+        await self.call_utility_all("start_weight_update")
+
+    async def update_weights(self, update_info: dict) -> None:
+        """Every engine loads update_info["path"] (a local safetensors file or directory) in
+        place, between start_weight_update and finish_weight_update."""
+        await self.call_utility_all("update_weights", update_info)
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        await self.call_utility_all("finish_weight_update", weight_version)
+
+    async def get_weight_version(self) -> str:
+        return await self.call_utility("get_weight_version")
+
+    async def _holding(self, calls) -> None:
+        """Hold new requests while calls pause the engines; open again if they fail."""
+        was_open = self._resumed.is_set()
+        self._resumed.clear()
+        try:
+            await calls
+        except BaseException:
+            if was_open:
+                self._resumed.set()
+            raise
+
+    def _release(self) -> None:
+        """Let held requests go, after waking the DP engines for requests they kept."""
+        self.engine_core.resume_waves()
+        self._resumed.set()
+
+    async def _report_sleep_state(self) -> None:
+        if self.on_sleep_state is not None and not self.errored:
+            self.on_sleep_state(await self.call_utility_all("get_sleep_level"))
+
+    def _on_dead(self, error: EngineDeadError) -> None:
+        self.output_processor.fail_all(error)
+        self._resumed.set()  # held requests fail now, with the engine
 
     # ---- outputs -------------------------------------------------------------------------------
 

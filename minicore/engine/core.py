@@ -10,8 +10,9 @@ the runner's forward. It then keeps stepping while the scheduler holds blocks fo
 for remote KV, even with nothing to compute (Scheduler.has_requests). With --speculative-config a
 drafter (minicore/spec_decode/) proposes each request's drafts after the update; the structured
 output manager (minicore/structured_output/manager.py) takes each request's grammar at
-add_request. Left out: pipeline parallelism's deeper batch queue, the executor layer (one
-in-process runner on one thread), sleep mode and LoRA utilities.
+add_request. The utility methods (sleep, pause, collective_rpc, ...) are EngineControl's
+(minicore/engine/control.py). Left out: pipeline parallelism's deeper batch queue, the executor
+layer (one in-process runner on one thread), LoRA.
 """
 
 import logging
@@ -19,6 +20,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from minicore.config import EngineConfig
+from minicore.engine.control import EngineControl
 from minicore.engine.input_processor import validate_prompt_token_ids, validate_sampling_params
 from minicore.kv_transfer.base import KVConnectorBase_V1
 from minicore.kv_transfer.worker import bind_kv_connectors
@@ -34,7 +36,7 @@ from minicore.structured_output.manager import make_structured_output_manager
 logger = logging.getLogger(__name__)
 
 
-class EngineCore:
+class EngineCore(EngineControl):
     def __init__(self, config: EngineConfig, model=None, tokenizer=None):
         """model/tokenizer: an already loaded transformers model and its tokenizer; by default
         they are loaded from config.model_config. A runner that needs no weights (the simulated
@@ -140,9 +142,6 @@ class EngineCore:
 
     def execute_dummy_batch(self) -> None:
         self.model_runner.execute_dummy_batch()
-
-    def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

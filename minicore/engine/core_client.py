@@ -36,6 +36,7 @@ import zmq.asyncio
 
 from minicore.config import EngineConfig
 from minicore.dp.coordinator import DPCoordinator, make_watchdog
+from minicore.engine.control import encode_callable
 from minicore.engine.launch import CoreEngineProcManager, wait_for_engine_startup
 from minicore.protocol import (
     ENGINE_CORE_DEAD,
@@ -89,7 +90,8 @@ class AsyncMPClient:
         self._exit_expected = False
         self._utility_calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
-        self._encoder = msgspec.msgpack.Encoder()
+        # collective_rpc's callables travel pickled (the engine unpickles only where allowed).
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=encode_callable)
         self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self._identities = [i.to_bytes(2, "little") for i in range(self.num_engines)]
         self._num_dropped = 0
@@ -234,8 +236,8 @@ class AsyncMPClient:
         self._send(EngineCoreRequestType.ABORT, request_ids, raise_if_dead=False)
 
     async def call_utility_async(self, method: str, *args, engine_index: int = 0) -> Any:
-        """Call an engine utility ("get_stats", "reset_prefix_cache", "ping") on one engine and
-        return its result; RuntimeError if it failed in the engine."""
+        """Call an engine utility method (minicore/engine/control.py) on one engine and return
+        its result; RuntimeError if it failed in the engine."""
         if self.errored:
             raise self.dead_error
         call_id = next(self._call_ids)
@@ -243,6 +245,9 @@ class AsyncMPClient:
         self._utility_calls[call_id] = future
         self._send(EngineCoreRequestType.UTILITY, (call_id, method, args), engine_index)
         return await future
+
+    def resume_waves(self) -> None:
+        """After a resume: one engine goes on by itself."""
 
     def _send(self, request_type: EngineCoreRequestType, payload, engine_index: int = 0,
               raise_if_dead: bool = True) -> None:
@@ -357,6 +362,13 @@ class DPLBAsyncMPClient(AsyncMPClient):
                 by_engine.setdefault(engine_index, []).append(request_id)
         for engine_index, ids in by_engine.items():
             self._send(EngineCoreRequestType.ABORT, ids, engine_index, raise_if_dead=False)
+
+    def resume_waves(self) -> None:
+        """After a resume, requests kept through the pause must step again: wake every engine
+        (a rank that steps alone would wait in a collective for its peers)."""
+        if self.reqs_in_flight and not self.coordinator.engines_running:
+            self.coordinator.engines_running = True
+            self._start_wave(self.coordinator.current_wave, -1)
 
     def _start_wave(self, wave: int, exclude_engine_index: int) -> None:
         """Wake the engines for a wave (the one given the request that starts it wakes itself)."""

@@ -9,8 +9,8 @@ only the model forward leaves the loop, for one worker thread. The loop steps wh
 has requests (Scheduler.has_requests), polling every KV_POLL_INTERVAL_S when a step computes
 nothing. With async scheduling a step is EngineCore.step_with_batch_queue's, awaited: the next
 schedule runs on the loop while the forward thread runs the step before. Data parallelism is
-DPEngineCoreProc's (minicore/dp/engine.py). Left out: several frontends per engine, request
-preprocessing caches.
+DPEngineCoreProc's (minicore/dp/engine.py); UTILITY calls, ProcControl's
+(minicore/engine/control.py). Left out: several frontends per engine, preprocessing caches.
 """
 
 import asyncio
@@ -25,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from minicore.config import EngineConfig
+from minicore.engine.control import ProcControl, decode_ext
 from minicore.engine.core import EngineCore
 from minicore.protocol import (
     ENGINE_CORE_DEAD,
@@ -32,7 +33,6 @@ from minicore.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
-    UtilityOutput,
     engine_dead_frame,
 )
 from minicore.request import FinishReason, Request
@@ -41,8 +41,6 @@ from minicore.utils import freeze_gc_heap, make_zmq_socket
 logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 300.0
-# Only these EngineCoreProc methods may be called through UTILITY messages.
-UTILITY_METHODS = frozenset({"reset_prefix_cache", "get_stats", "ping"})
 # How often the engine checks that the frontend that started it is still alive.
 PARENT_CHECK_INTERVAL_S = 1.0
 # Input-queue item types of the engine's own making (not on the wire).
@@ -54,7 +52,7 @@ _UNDECODABLE_ADD = "undecodable_add"
 KV_POLL_INTERVAL_S = 0.005
 
 
-class EngineCoreProc(EngineCore):
+class EngineCoreProc(ProcControl, EngineCore):
     """An EngineCore behind sockets. Built synchronously (handshake and model load, before any
     event loop); run() then serves on the running loop."""
 
@@ -87,7 +85,8 @@ class EngineCoreProc(EngineCore):
         self._decoders = {
             EngineCoreRequestType.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
             EngineCoreRequestType.ABORT: msgspec.msgpack.Decoder(list[str]),
-            EngineCoreRequestType.UTILITY: msgspec.msgpack.Decoder(tuple[int, str, list]),
+            EngineCoreRequestType.UTILITY: msgspec.msgpack.Decoder(tuple[int, str, list],
+                                                                   ext_hook=decode_ext),
             EngineCoreRequestType.START_DP_WAVE: msgspec.msgpack.Decoder(tuple[int, int]),
         }
         self._last_stats = None
@@ -242,8 +241,12 @@ class EngineCoreProc(EngineCore):
             # changes something: wait for one instead of spinning.
             must_wait = not await self._process_engine_step()
 
+    def has_work(self) -> bool:
+        """Steps to take: the scheduler's requests, or steps in flight to update from."""
+        return self.scheduler.has_requests() or bool(self.batch_queue)
+
     async def _process_input_queue(self, must_wait: bool) -> None:
-        while must_wait or not self.scheduler.has_requests():
+        while must_wait or not self.has_work():
             if self.shutdown_requested:
                 return
             if not await self._wait_for_input():
@@ -256,12 +259,13 @@ class EngineCoreProc(EngineCore):
         to compute (a KV connector's transfers), at most KV_POLL_INTERVAL_S. False if none came."""
         # Inputs handled while idle (an abort, say) change the stats no step will send.
         self._publish_stats_if_changed()
-        if self.scheduler.has_requests():
+        if self.has_work():
             try:
                 item = await asyncio.wait_for(self.input_queue.get(), KV_POLL_INTERVAL_S)
             except asyncio.TimeoutError:  # noqa: UP041 (a distinct class before 3.11)
                 return False
         else:
+            self._notify_idle()  # what waits for an idle engine (a pause, a sleep) goes on
             item = await self.input_queue.get()
         self._handle_client_request(*item)
         return True
@@ -334,30 +338,6 @@ class EngineCoreProc(EngineCore):
                      message)
         self._send([EngineCoreOutput(request_id, [], FinishReason.ERROR,
                                      error_message=message)])
-
-    def _call_utility(self, call_id: int, method: str, args: list) -> None:
-        output = UtilityOutput(call_id)
-        if method not in UTILITY_METHODS:
-            output.failure_message = f"unknown utility method {method!r}"
-        else:
-            try:
-                output.result = getattr(self, method)(*args)
-            except Exception as e:
-                logger.exception("EngineCore %d: utility %s failed", self.engine_index, method)
-                output.failure_message = f"call to {method} failed: {e}"
-        self._send(utility_output=output)
-
-    # ---- utility methods -----------------------------------------------------------------------
-
-    def get_stats(self) -> dict[str, Any]:
-        """The scheduler's stats, plus what the frontend cannot see: unfinished request ids."""
-        stats = self.scheduler.make_stats()
-        return {**{name: getattr(stats, name) for name in stats.__struct_fields__},
-                "num_blocks": self.config.cache_config.num_blocks,
-                "request_ids": sorted(self.scheduler.requests)}
-
-    def ping(self) -> str:
-        return "pong"
 
 
 def _add_request_header(frames: list[bytes]) -> tuple[str, int] | None:

@@ -7,7 +7,8 @@ zeroing on first touch. A prefill step of 8192 tokens of SmolLM2-135M makes ~50 
 and keeping freed blocks makes it measurably faster (docs/BENCHMARKS.md). minicore gets that from
 glibc itself, without a preload: ``mallopt`` raises the mmap and trim thresholds, so blocks of up
 to 1 GiB are taken from, and freed back to, the heap. The heap then keeps the largest step's
-memory until the process exits. Elsewhere than glibc this does nothing.
+memory until the process exits, unless release_freed_memory hands it back (sleep mode).
+Elsewhere than glibc this does nothing.
 """
 
 import ctypes
@@ -30,3 +31,10 @@ def keep_freed_memory() -> bool:
     mmap_set = (libc.mallopt(_M_MMAP_THRESHOLD, _THRESHOLD)
                 or libc.mallopt(_M_MMAP_THRESHOLD, _OLD_GLIBC_MAX))
     return bool(mmap_set and libc.mallopt(_M_TRIM_THRESHOLD, _THRESHOLD))
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap's free memory back to the kernel (glibc's malloc_trim); whether any was."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    return bool(ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0))

@@ -12,7 +12,8 @@ logprobs a request asks for come from a component (minicore/model/logprobs.py) t
 requests asked; with speculative decoding, the sampling step verifies each request's drafts
 (minicore/model/rejection_sampler.py), which the state update appends to its token ids as vLLM
 writes them into its input batch, so that packing and the sampling test take them as they are.
-Left out: CUDA graphs, persistent input batches, pipeline/tensor parallelism.
+Sleep mode and in-place weight loading are minicore/model/sleep_mode.py's. Left out: CUDA graphs,
+persistent input batches, pipeline/tensor parallelism.
 """
 
 import logging
@@ -20,6 +21,7 @@ import logging
 import torch
 
 from minicore.config import EngineConfig
+from minicore.model import sleep_mode
 from minicore.model.attention import (
     AttentionMetadata,
     GatheredDecode,
@@ -60,15 +62,37 @@ class ModelRunner(ModelRunnerBase):
         self.base_model = model.base_model
         self.lm_head = model.get_output_embeddings()
         self.num_blocks = self._determine_num_blocks()
+        self.init_kv_cache()
+        self.logprobs = LogprobsOutput(self.vocab_size, self._logits)
+        self.sample_step = self._make_sample_step(config)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens)", self.num_blocks,
+                    self.block_size, (self.num_blocks - 1) * self.block_size)
+
+    def init_kv_cache(self) -> None:
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         # Chosen once: on CPU decode attention reads per-request rows instead of gathering
         # blocks (decode_kv.py), with the native kernel where it builds; elsewhere the gather.
         self.decode_attention = (DecodeKVBuffers(self.kv_caches, kernel=native_kernels())
                                  if self.device.type == "cpu" else GatheredDecode())
-        self.logprobs = LogprobsOutput(self.vocab_size, self._logits)
-        self.sample_step = self._make_sample_step(config)
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens)", self.num_blocks,
-                    self.block_size, (self.num_blocks - 1) * self.block_size)
+
+    def bind_weights(self) -> None:
+        """After the weights' tensors changed: the CPU linear layers take them anew."""
+        if self.device.type == "cpu":
+            use_cpu_linear(self.model, native_kernels())
+
+    # ---- sleep mode and weights (sleep_mode.py; collective_rpc may name load_weights) ----------
+
+    def check_can_sleep(self, level: int) -> None:
+        sleep_mode.check_can_sleep(self, level)
+
+    def sleep(self, level: int) -> None:
+        sleep_mode.release(self, level)
+
+    def wake_up(self, tags: list[str], level: int) -> None:
+        sleep_mode.restore(self, tags, level)
+
+    def load_weights(self, path: str) -> int:
+        return sleep_mode.load_weights(self, path)
 
     # ---- KV cache sizing -----------------------------------------------------------------------
 

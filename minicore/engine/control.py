@@ -1,0 +1,316 @@
+"""The engine's control plane: what a frontend calls on an engine by name, as RL and colocation
+users drive vLLM (sleep and wake up, pause and resume, collective_rpc, the weight update).
+
+Mirrors the utility methods of EngineCore in vllm/v1/engine/core.py (sleep, wake_up, is_sleeping,
+pause_scheduler, resume_scheduler, is_scheduler_paused, collective_rpc, reset_prefix_cache,
+start_weight_update / update_weights / finish_weight_update, get_weight_version) and
+EngineCoreProc's UTILITY handling (_convert_msgspec_args; the result or the error goes back as a
+UtilityOutput; a method may finish later, when the engine is idle). EngineControl is mixed into
+EngineCore; ProcControl into EngineCoreProc, where "idle" is the busy loop's (a DP rank's: its
+wave ended on every rank). The guarded surface: a UTILITY message may name only the public methods
+of EngineControl (UTILITY_METHODS), and collective_rpc only the runner's public methods, or a
+pickled callable where MINICORE_ALLOW_INSECURE_SERIALIZATION=1 (vLLM's
+VLLM_ALLOW_INSECURE_SERIALIZATION). Left out: LoRA, profiling, elastic scaling, NCCL/IPC weight
+transfer (the update reads a local safetensors file).
+"""
+
+import asyncio
+import inspect
+import logging
+import os
+from collections.abc import Callable
+from functools import partial
+from typing import Any, Literal
+
+import msgspec
+
+from minicore.protocol import EngineCoreOutput, FinishReason, UtilityOutput
+
+logger = logging.getLogger(__name__)
+
+PauseMode = Literal["abort", "wait", "keep"]
+PAUSE_MODES = ("abort", "wait", "keep")
+# What sleep releases and wake_up(tags) brings back (vLLM's CuMemAllocator tags).
+SLEEP_TAGS = ("weights", "kv_cache")
+INSECURE_SERIALIZATION_ENV = "MINICORE_ALLOW_INSECURE_SERIALIZATION"
+# The msgpack extension code of a pickled callable (collective_rpc's method) on the wire.
+PICKLED_CALLABLE_EXT = 1
+
+
+class EngineControl:
+    """The utility methods. State defaults are class attributes: nothing to set up."""
+
+    sleep_level = 0
+    sleeping_tags: frozenset[str] = frozenset()
+    weight_version = "default"
+    weight_update_open = False
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return self.scheduler.reset_prefix_cache(reset_running_requests)
+
+    # ---- pause ---------------------------------------------------------------------------------
+
+    def pause_scheduler(self, mode: PauseMode = "abort", clear_cache: bool = True):
+        """Stop scheduling (vLLM 0.32's modes): "abort" aborts every request first, "keep" freezes
+        them where they are (clear_cache then preempts the running ones: recomputed on resume,
+        with whatever weights the engine has by then), "wait" lets them finish first. Completes
+        when the engine is idle."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, not {mode!r}")
+        if mode == "abort":
+            ids = [rid for rid, r in self.scheduler.requests.items() if not r.is_finished()]
+            self.abort_requests(ids)
+            self._announce_aborted(ids)
+        self.scheduler.paused = self.scheduler.paused or mode != "wait"
+        return self._after_idle(partial(self._finish_pause, clear_cache))
+
+    def _finish_pause(self, clear_cache: bool) -> None:
+        self.scheduler.paused = True
+        if clear_cache and not self.reset_prefix_cache(reset_running_requests=True):
+            logger.warning("pause: the prefix cache was not reset (a KV connector holds blocks)")
+
+    def resume_scheduler(self) -> None:
+        self.scheduler.paused = False
+
+    def is_scheduler_paused(self) -> bool:
+        return self.scheduler.paused
+
+    # ---- sleep ---------------------------------------------------------------------------------
+
+    def sleep(self, level: int = 1, mode: PauseMode = "abort"):
+        """Pause (mode), then release memory: the KV cache at level 1 and 2, the weights at
+        level 2 (on CUDA level 1 moves them to pinned CPU memory). The scheduler stays paused
+        until every tag is awake again."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, not {level!r}")
+        if self.config.kv_transfer_config is not None:
+            raise ValueError("sleep mode with a KV connector is not supported: the connector "
+                             "registered the KV cache's memory with its peers")
+        if self.sleeping_tags:
+            raise ValueError(f"the engine is already asleep (level {self.sleep_level}): wake it "
+                             "up first")
+        self.model_runner.check_can_sleep(level)
+        pause = self.pause_scheduler(mode, clear_cache=True)
+        return self._then(pause, partial(self._release, level))
+
+    def _release(self, level: int) -> None:
+        self.model_runner.sleep(level)
+        self.sleep_level, self.sleeping_tags = level, frozenset(SLEEP_TAGS)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back the memory of tags ("weights", "kv_cache"; None: both); once all is back,
+        scheduling resumes (vLLM's rule)."""
+        tags = list(SLEEP_TAGS) if tags is None else tags
+        if unknown := sorted(set(tags) - set(SLEEP_TAGS)):
+            raise ValueError(f"unknown wake_up tag(s) {unknown}; the tags are {list(SLEEP_TAGS)}")
+        waking = self.sleeping_tags & set(tags)
+        self.model_runner.wake_up(sorted(waking), self.sleep_level)
+        self.sleeping_tags -= waking
+        if not self.sleeping_tags:
+            self.sleep_level = 0
+            self.resume_scheduler()
+
+    def is_sleeping(self) -> bool:
+        return bool(self.sleeping_tags)
+
+    def get_sleep_level(self) -> int:
+        """0 awake, else the level it sleeps at (the engine_sleep_state gauge)."""
+        return self.sleep_level
+
+    # ---- workers and weights -------------------------------------------------------------------
+
+    def collective_rpc(self, method: str | Callable, timeout: float | None = None,
+                       args: tuple = (), kwargs: dict | None = None):
+        """Run method on every worker (here one: the runner, on its forward thread, between
+        steps): a name of the runner's public methods, or a callable given the runner first.
+        A list of one result per worker."""
+        call = partial(resolve_worker_call(self.model_runner, method), *args, **(kwargs or {}))
+        return self._on_forward_thread(call, timeout)
+
+    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        self.weight_update_open = True
+
+    def update_weights(self, update_info: dict):
+        """Load weights in place from a local safetensors file or directory:
+        update_info = {"path": ...}; between start_weight_update and finish_weight_update."""
+        if not self.weight_update_open:
+            raise ValueError("no weight update in progress: call start_weight_update first")
+        if not isinstance(update_info, dict) or not isinstance(update_info.get("path"), str):
+            raise ValueError('update_info must be {"path": "<safetensors file or directory>"}')
+        return self.collective_rpc("load_weights", args=(update_info["path"],))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.weight_update_open = False
+        if weight_version is not None:
+            self.weight_version = str(weight_version)
+
+    def get_weight_version(self) -> str:
+        return self.weight_version
+
+    # ---- for operators and tests ---------------------------------------------------------------
+
+    def get_stats(self) -> dict[str, Any]:
+        """The scheduler's stats, plus what the frontend cannot see: unfinished request ids."""
+        stats = self.scheduler.make_stats()
+        return {**{name: getattr(stats, name) for name in stats.__struct_fields__},
+                "num_blocks": self.config.cache_config.num_blocks,
+                "request_ids": sorted(self.scheduler.requests)}
+
+    def ping(self) -> str:
+        return "pong"
+
+    # ---- in-process: the engine is idle between calls ------------------------------------------
+
+    def _after_idle(self, fn: Callable[[], Any]):
+        if self.scheduler.has_requests():
+            raise ValueError("the engine has requests in flight, and an in-process engine cannot "
+                             "wait for them: pause with mode 'abort' or 'keep'")
+        return fn()
+
+    def _then(self, first, fn: Callable[[], Any]):
+        return fn()
+
+    def _on_forward_thread(self, call: Callable[[], Any], timeout: float | None) -> list:
+        return [self.executor.submit(call).result(timeout)]
+
+    def _announce_aborted(self, request_ids: list[str]) -> None:
+        """Whoever drives an in-process engine aborted its own requests."""
+
+
+class ProcControl(EngineControl):
+    """In an engine process, what waits for idle returns a coroutine, awaited off the busy loop;
+    the busy loop calls _notify_idle whenever it waits for input with nothing to do."""
+
+    _idle_waiters: list[asyncio.Future] = []
+
+    def _after_idle(self, fn: Callable[[], Any]):
+        future = asyncio.get_running_loop().create_future()
+        self._idle_waiters = [*self._idle_waiters, future]
+
+        async def run():
+            await future
+            return fn()
+        return run()
+
+    def _then(self, first, fn: Callable[[], Any]):
+        async def run():
+            await first
+            return fn()
+        return run()
+
+    def _notify_idle(self) -> None:
+        waiters, self._idle_waiters = self._idle_waiters, []
+        for future in waiters:
+            if not future.done():
+                future.set_result(None)
+
+    async def _on_forward_thread(self, call: Callable[[], Any], timeout: float | None) -> list:
+        future = asyncio.get_running_loop().run_in_executor(self.executor, call)
+        return [await asyncio.wait_for(future, timeout)]
+
+    def _announce_aborted(self, request_ids: list[str]) -> None:
+        self._send([EngineCoreOutput(rid, [], FinishReason.ABORT) for rid in request_ids])
+
+    def _call_utility(self, call_id: int, method: str, args: list) -> None:
+        """Run a UTILITY call; the reply is sent now or, for one that completes later, then."""
+        try:
+            result = call_utility(self, method, args)
+        except Exception as e:
+            return self._reply_utility(call_id, method, error=e)
+        if inspect.isawaitable(result):
+            task = asyncio.ensure_future(result)
+            task.add_done_callback(partial(self._utility_done, call_id, method))
+        else:
+            self._reply_utility(call_id, method, result)
+
+    def _utility_done(self, call_id: int, method: str, task: asyncio.Task) -> None:
+        if task.cancelled():
+            return
+        error = task.exception()
+        self._reply_utility(call_id, method, None if error else task.result(), error)
+
+    def _reply_utility(self, call_id: int, method: str, result: Any = None,
+                       error: BaseException | None = None) -> None:
+        output = UtilityOutput(call_id)
+        if error is None:
+            try:
+                output.result = msgspec.to_builtins(result)
+            except (TypeError, msgspec.MsgspecError) as e:
+                error = TypeError(f"its result cannot be sent back ({e})")
+        if error is not None:
+            logger.error("EngineCore %d: utility %s failed: %r", self.engine_index, method, error)
+            output.failure_message = f"call to {method} failed: {error}"
+        self._send(utility_output=output)
+
+
+# The methods a UTILITY message may name: EngineControl's public ones.
+UTILITY_METHODS = frozenset(name for name, value in vars(EngineControl).items()
+                            if callable(value) and not name.startswith("_"))
+
+
+def call_utility(engine: EngineControl, method: str, args: list | tuple):
+    """engine.method(*args), with the arguments a method annotates as msgspec Structs converted
+    from what msgpack decoded (vLLM's _convert_msgspec_args). ValueError for a name outside
+    UTILITY_METHODS or arguments the method does not take."""
+    if method not in UTILITY_METHODS:
+        raise ValueError(f"unknown utility method {method!r}; the engine's utility methods are "
+                         f"{', '.join(sorted(UTILITY_METHODS))}")
+    bound = getattr(engine, method)
+    signature = inspect.signature(bound)
+    try:
+        signature.bind(*args)
+    except TypeError as e:
+        raise ValueError(f"{method}: {e}") from None
+    return bound(*[_convert(value, p.annotation)
+                   for value, p in zip(args, signature.parameters.values())])
+
+
+def _convert(value, annotation):
+    if (isinstance(annotation, type) and issubclass(annotation, msgspec.Struct)
+            and not isinstance(value, annotation)):
+        return msgspec.convert(value, annotation)
+    return value
+
+
+def resolve_worker_call(runner, method) -> Callable:
+    """The runner's public method of that name, or method (a callable, or one pickled on the
+    wire) bound to the runner."""
+    if isinstance(method, PickledCallable):
+        method = method.load()
+    if callable(method):
+        return partial(method, runner)
+    if not isinstance(method, str) or method.startswith("_") or not callable(
+            getattr(runner, method, None)):
+        raise ValueError(f"collective_rpc: the worker has no public method {method!r}")
+    return getattr(runner, method)
+
+
+class PickledCallable:
+    """A callable as it arrived over the socket: unpickled only where the operator allows it."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def load(self) -> Callable:
+        if os.environ.get(INSECURE_SERIALIZATION_ENV) != "1":
+            raise ValueError(f"collective_rpc got a pickled function, which runs arbitrary code: "
+                             f"set {INSECURE_SERIALIZATION_ENV}=1 to allow it, or name a method")
+        import cloudpickle
+
+        return cloudpickle.loads(self.data)
+
+
+def encode_callable(obj):
+    """The frontend's msgpack enc_hook: a callable (collective_rpc's method) goes pickled."""
+    if callable(obj):
+        import cloudpickle
+
+        return msgspec.msgpack.Ext(PICKLED_CALLABLE_EXT, cloudpickle.dumps(obj))
+    raise NotImplementedError(f"cannot send a {type(obj).__name__} to the engine")
+
+
+def decode_ext(code: int, data: memoryview):
+    """The engine's msgpack ext_hook for UTILITY arguments."""
+    if code != PICKLED_CALLABLE_EXT:
+        raise ValueError(f"unknown msgpack extension {code}")
+    return PickledCallable(bytes(data))

@@ -1,0 +1,102 @@
+"""Sleep mode and in-place weight loading for the model runner: its memory released and brought
+back, its weights replaced from a safetensors file.
+
+Mirrors Worker.sleep / wake_up in vllm/v1/worker/gpu_worker.py (vLLM tags its allocations with
+CuMemAllocator and offloads or discards them by tag) and the in-place reload RL frameworks drive
+through collective_rpc. The KV cache is dropped at every level (its contents are stale after a
+weight update anyway; it comes back zeroed, as vLLM's). The weights: at level 1 kept on CPU
+(already in host memory), moved to pinned host memory on CUDA; at level 2 dropped, and reloaded
+from the model directory on wake-up (what was loaded in place since is lost, as in vLLM). Freed
+host memory goes back to the kernel (malloc_trim): the runner's heap keeps freed blocks otherwise
+(minicore/model/cpu_memory.py). Left out: vLLM's allocator-level tagging of every allocation.
+"""
+
+import gc
+import logging
+from pathlib import Path
+
+import torch
+
+from minicore.model.cpu_memory import release_freed_memory
+
+logger = logging.getLogger(__name__)
+
+
+def check_can_sleep(runner, level: int) -> None:
+    """ValueError if level 2's weights could not come back."""
+    config = runner.config
+    if level == 2 and not Path(config.model_config.model or "").is_dir():
+        raise ValueError("sleep level 2 discards the weights and reloads them from the model "
+                         "directory, and this engine was given a loaded model: use level 1")
+    if level == 2 and config.parallel_config.enable_expert_parallel:
+        raise ValueError("sleep level 2 with expert parallelism is not supported: the reloaded "
+                         "model would hold every expert; use level 1")
+
+
+def release(runner, level: int) -> None:
+    runner.kv_caches, runner.decode_attention = [], None
+    for param in runner.model.parameters():
+        if level == 2:
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        elif param.device.type == "cuda":
+            param.data = param.data.to("cpu").pin_memory()
+    _return_memory(runner.device)
+
+
+def restore(runner, tags: list[str], level: int) -> None:
+    if "weights" in tags and level == 2:
+        _reload_weights(runner)
+    elif "weights" in tags:
+        for param in runner.model.parameters():
+            param.data = param.data.to(runner.device)
+    if "kv_cache" in tags:
+        runner.init_kv_cache()
+    _return_memory(runner.device)
+
+
+def _reload_weights(runner) -> None:
+    from minicore.model.loader import load_model
+
+    mc = runner.config.model_config
+    fresh, _ = load_model(mc.model, dtype=runner.model.dtype, device=runner.device)
+    fresh_params = dict(fresh.named_parameters())
+    for name, param in runner.model.named_parameters():
+        param.data = fresh_params[name].data
+    runner.bind_weights()
+
+
+def load_weights(runner, path: str) -> int:
+    """Copy the tensors of a safetensors file (or of every one in a directory) into the model's
+    parameters of the same names, cast to their dtype; returns how many. Every name and shape is
+    checked first: on a mismatch nothing changes (ValueError naming it)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else [Path(path)]
+    if not files or not all(f.is_file() for f in files):
+        raise ValueError(f"load_weights: no safetensors file at {path!r}")
+    params = dict(runner.model.named_parameters(remove_duplicate=False))
+    handles = [safe_open(f, framework="pt") for f in files]
+    for handle in handles:
+        for name in handle.keys():
+            shape = tuple(handle.get_slice(name).get_shape())
+            if name not in params or tuple(params[name].shape) != shape:
+                expected = tuple(params[name].shape) if name in params else "no such parameter"
+                raise ValueError(f"load_weights: {name} {shape} does not fit the model "
+                                 f"({expected})")
+    count = 0
+    with torch.no_grad():
+        for handle in handles:
+            for name in handle.keys():
+                params[name].copy_(handle.get_tensor(name))
+                count += 1
+    runner.bind_weights()
+    logger.info("loaded %d tensors in place from %s", count, path)
+    return count
+
+
+def _return_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    else:
+        release_freed_memory()
