@@ -6,8 +6,9 @@ and the response helpers are in utils.py) and vllm/entrypoints/launcher.py (serv
 our own event loop, on a socket bound before the engine starts; on SIGTERM stop accepting, abort
 the requests in flight, stop the engine, and exit 0). What a client may hold or send is bounded
 (utils.HttpLimits). The endpoints' logic is in serving.py. Left out: the other OpenAI endpoints
-(embeddings, audio, responses), CORS and SSL options, multiple API servers, /sleep and the dev
-endpoints but /reset_prefix_cache.
+(embeddings, audio, responses), CORS and SSL options, multiple API servers. vLLM's development and
+RL endpoints (/sleep, /pause, /collective_rpc, the weight update, ...) are dev_endpoints.py's,
+mounted with VLLM_SERVER_DEV_MODE=1.
 """
 
 import asyncio
@@ -28,6 +29,7 @@ import minicore
 from minicore.config import EngineConfig
 from minicore.engine.async_llm import AsyncLLM
 from minicore.engine.core_client import EngineDeadError
+from minicore.entrypoints.dev_endpoints import attach_dev_routes, dev_mode
 from minicore.entrypoints.metrics import ServerMetrics, StatsLogger
 from minicore.entrypoints.openai_protocol import (
     ChatCompletionRequest,
@@ -116,6 +118,8 @@ def build_app(client: AsyncLLM, serving: OpenAIServing, metrics: ServerMetrics,
     app.state.server_load_metrics = 0
     _add_routes(app, client, serving, metrics)
     _add_admin_routes(app, client)
+    if dev_mode():
+        attach_dev_routes(app, client)
     return app
 
 
@@ -298,6 +302,7 @@ async def _serve(config: EngineConfig, args, sock: socket.socket, client: AsyncL
         client.output_processor.on_new_tokens = metrics.on_new_tokens
         client.output_processor.on_request_finished = metrics.on_request_finished
         client.output_processor.on_iteration_end = metrics.on_iteration_end
+        client.on_sleep_state = metrics.set_sleep_levels
         serving = OpenAIServing(client, model_names, args.enable_prompt_tokens_details,
                                 args.trust_request_chat_template,
                                 args.return_tokens_as_token_ids,

@@ -101,6 +101,7 @@ WAITING_BY_REASON_HELP = (
     "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling "
     "capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked "
     "status). Sum of all reasons equals {prefix}:num_requests_waiting.")
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 SLEEP_STATE_HELP = (
     "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
     "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.")
@@ -234,18 +235,24 @@ class ServerMetrics:
 
     def _info_gauges(self, prefix: str, cache_config: CacheConfig) -> None:
         """cache_config_info (a gauge set to 1, labelled by the cache config's fields, vLLM's
-        num_gpu_blocks for num_blocks) and engine_sleep_state (minicore never sleeps)."""
+        num_gpu_blocks for num_blocks) and engine_sleep_state (awake until set_sleep_levels)."""
         info = {("num_gpu_blocks" if f.name == "num_blocks" else f.name):
                 str(getattr(cache_config, f.name)) for f in dataclasses.fields(cache_config)}
         cache_info = Gauge(f"{prefix}:cache_config_info",
                            "Information of the LLMEngine CacheConfig", list(info) + ["engine"],
                            registry=self.registry)
-        sleep = Gauge(f"{prefix}:engine_sleep_state", SLEEP_STATE_HELP, LABELS + ["sleep_state"],
-                      registry=self.registry)
+        self.sleep_state = Gauge(f"{prefix}:engine_sleep_state", SLEEP_STATE_HELP,
+                                 LABELS + ["sleep_state"], registry=self.registry)
         for e in range(self.num_engines):
             cache_info.labels(**info, engine=str(e)).set(1)
-            for state in ("awake", "weights_offloaded", "discard_all"):
-                sleep.labels(self.model_name, str(e), state).set(state == "awake")
+        self.set_sleep_levels([0] * self.num_engines)
+
+    def set_sleep_levels(self, levels: list[int]) -> None:
+        """Each engine's sleep level (0 awake, 1 weights offloaded, 2 all discarded), as
+        AsyncLLM reports it after sleep and wake_up."""
+        for e, level in enumerate(levels):
+            for index, state in enumerate(SLEEP_STATES):
+                self.sleep_state.labels(self.model_name, str(e), state).set(index == level)
 
     def on_new_tokens(self, state: RequestState, num_new_tokens: int,
                       interval: float | None) -> None:

@@ -1,0 +1,135 @@
+"""An RL weight sync, as verl or OpenRLHF drive vLLM: pause generation, load the trainer's new
+weights in place on every worker, drop the stale prefix cache, resume; greedy outputs then equal
+transformers' with the new weights.
+
+Offline, on an in-process engine (collective_rpc runs a function on the model runner):
+
+    .venv/bin/python examples/rl_weight_sync.py
+
+Against a server started with the development endpoints (any --data-parallel-size; over HTTP
+collective_rpc names a runner method, load_weights):
+
+    VLLM_SERVER_DEV_MODE=1 .venv/bin/python -m minicore serve --dtype float32 --data-parallel-size 2
+    .venv/bin/python examples/rl_weight_sync.py --base-url http://127.0.0.1:8000
+
+The "trainer" here is a perturbation of the default model's MLP weights, saved as a safetensors
+file; the example prints the outputs before and after and exits 1 if they do not match
+transformers' with the new weights.
+"""
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a dragon"]
+MAX_TOKENS = 24
+
+
+def default_model_dir() -> str:
+    from minicore.config import create_engine_config
+    from minicore.engine.launch import resolve_model
+
+    return resolve_model(create_engine_config()).model_config.model
+
+
+def trainer_step(model, path: Path) -> None:
+    """The new weights: every MLP down projection scaled by a seeded 1 +- 20% per element."""
+    generator = torch.Generator().manual_seed(0)
+    new = {name: (p.detach() * (1 + 0.2 * torch.randn(p.shape, generator=generator))).contiguous()
+           for name, p in model.named_parameters() if name.endswith("mlp.down_proj.weight")}
+    save_file(new, str(path))
+
+
+def transformers_greedy(model, tokenizer, path: Path) -> list[list[int]]:
+    """What transformers generates greedily once the new weights are loaded."""
+    from safetensors.torch import load_file
+
+    model.load_state_dict(load_file(str(path)), strict=False)
+    outputs = []
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        out = model.generate(ids, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                             do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        outputs.append(out[0, ids.shape[1]:].tolist())
+    return outputs
+
+
+def load_weights_in_place(runner, path: str) -> int:
+    """Runs on the model runner (collective_rpc): copy the file's tensors into the parameters."""
+    from safetensors.torch import load_file
+
+    params = dict(runner.model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in load_file(path).items():
+            params[name].copy_(tensor)
+    runner.bind_weights()  # the CPU linear layers take the new tensors
+    return len(params)
+
+
+def sync_offline(model_dir: str, path: Path) -> tuple[list, list]:
+    from minicore import LLM, SamplingParams
+
+    llm = LLM(model_dir, dtype="float32", max_model_len=512)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    before = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    llm.pause_generation()
+    print("collective_rpc:", llm.collective_rpc(load_weights_in_place, args=(str(path),)))
+    llm.reset_prefix_cache()
+    llm.resume_generation()
+    after = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    return before, after
+
+
+def sync_server(base_url: str, tokenizer, path: Path) -> tuple[list, list]:
+    import httpx
+
+    def complete() -> list[list[int]]:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        texts = [http.post("/v1/completions", json={
+            "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True}).json()["choices"][0]["text"] for prompt in PROMPTS]
+        return [tokenizer(text, add_special_tokens=False).input_ids for text in texts]
+
+    with httpx.Client(base_url=base_url, timeout=120) as http:
+        before = complete()
+        for call in (lambda: http.post("/pause", params={"mode": "keep"}),
+                     lambda: http.post("/collective_rpc", json={"method": "load_weights",
+                                                                "args": [str(path)]}),
+                     lambda: http.post("/reset_prefix_cache"),
+                     lambda: http.post("/resume")):
+            response = call()
+            response.raise_for_status()
+            print(response.request.url.path, response.text)
+        return before, complete()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base-url", help="a server with VLLM_SERVER_DEV_MODE=1 (default: offline)")
+    ap.add_argument("--model", help="the model directory (default: the default model's)")
+    args = ap.parse_args()
+    from minicore.model.loader import load_model
+
+    model_dir = args.model or default_model_dir()
+    model, tokenizer = load_model(model_dir, dtype="float32", device="cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "new_weights.safetensors"
+        trainer_step(model, path)
+        expected = transformers_greedy(model, tokenizer, path)
+        before, after = (sync_server(args.base_url, tokenizer, path) if args.base_url
+                         else sync_offline(model_dir, path))
+    for prompt, old, new, want in zip(PROMPTS, before, after, expected):
+        verdict = "equals" if list(new) == want else "DIFFERS FROM"
+        print(f"{prompt!r}\n  before: {tokenizer.decode(old)!r}\n  after:  "
+              f"{tokenizer.decode(new)!r}\n  {verdict} transformers with the new weights")
+    ok = [list(a) for a in after] == expected and [list(b) for b in before] != expected
+    print("weight sync:", "OK" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

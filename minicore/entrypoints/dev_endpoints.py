@@ -1,0 +1,104 @@
+"""vLLM's development and RL endpoints, mounted only with VLLM_SERVER_DEV_MODE=1: sleep and wake
+up, pause and resume, collective_rpc, and the weight update from a local file.
+
+Mirrors vllm/entrypoints/serve/dev/ and vllm/entrypoints/serve/rlhf/api_router.py: each route
+calls AsyncLLM's control plane (minicore/engine/async_llm.py), which calls every engine's utility
+method (minicore/engine/control.py). Whoever reaches the port can stop generation, free the
+engines' memory and make every engine load any local safetensors file its user may read: mount
+these only where the port is the operator's (the API key, when set, covers them too). Bad
+arguments are a 400 with an OpenAI error body, a failure in an engine a 500. Left out:
+/init_weight_transfer_engine (NCCL and IPC transfers), /get_world_size, /weight_checker.
+"""
+
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import Body, FastAPI, Query
+from fastapi.responses import Response
+
+from minicore.engine.async_llm import AsyncLLM
+from minicore.engine.control import PauseMode
+from minicore.entrypoints.openai_errors import OpenAIError
+from minicore.entrypoints.utils import json_response
+
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+
+
+def dev_mode() -> bool:
+    return os.environ.get(DEV_MODE_ENV) == "1"
+
+
+async def _control(call) -> Any:
+    """Await a control-plane call: ValueError (bad arguments) is a 400, an engine's failure
+    (RuntimeError) a 500, both with the message."""
+    try:
+        return await call
+    except ValueError as e:
+        raise OpenAIError(str(e), 400) from None
+    except RuntimeError as e:
+        raise OpenAIError(str(e), 500) from None
+
+
+def attach_dev_routes(app: FastAPI, client: AsyncLLM) -> None:
+    @app.post("/sleep")
+    async def sleep(level: int = 1, mode: PauseMode = "abort"):
+        await _control(client.sleep(level, mode))
+        return Response(status_code=200)
+
+    @app.post("/wake_up")
+    async def wake_up(tags: Annotated[list[str] | None, Query()] = None):
+        await _control(client.wake_up(tags or None))
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping():
+        return json_response({"is_sleeping": await _control(client.is_sleeping())})
+
+    @app.post("/pause")
+    async def pause(mode: PauseMode = "abort", clear_cache: bool = True,
+                    wait_for_inflight_requests: bool = False):
+        await _control(client.pause_generation(mode, clear_cache, wait_for_inflight_requests))
+        return json_response({"status": "paused"})
+
+    @app.post("/resume")
+    async def resume():
+        await _control(client.resume_generation())
+        return json_response({"status": "resumed"})
+
+    @app.get("/is_paused")
+    async def is_paused():
+        return json_response({"is_paused": await _control(client.is_paused())})
+
+    @app.post("/collective_rpc")
+    async def collective_rpc(method: Annotated[str, Body()], args: Annotated[list, Body()] = [],  # noqa: B006 (FastAPI copies defaults)
+                             kwargs: Annotated[dict, Body()] = {},  # noqa: B006
+                             timeout: Annotated[float | None, Body()] = None):
+        results = await _control(client.collective_rpc(method, timeout, tuple(args), kwargs))
+        # vLLM's: JSON values as they are, anything else as its string.
+        return json_response({"results": [r if r is None or isinstance(r, dict | list | int | float
+                                                                       | str | bool) else str(r)
+                                          for r in results]})
+
+    @app.post("/start_weight_update")
+    async def start_weight_update():
+        await _control(client.start_weight_update())
+        return json_response({"message": "Weight update started"})
+
+    @app.post("/update_weights")
+    async def update_weights(update_info: Annotated[dict, Body(embed=True)]):
+        path = update_info.get("path")
+        if not isinstance(path, str) or not Path(path).exists():
+            raise OpenAIError('update_info must be {"path": "<a local safetensors file or '
+                              f'directory>"}}; no such path: {path!r}', 400)
+        await _control(client.update_weights(update_info))
+        return json_response({"message": "Weights updated"})
+
+    @app.post("/finish_weight_update")
+    async def finish_weight_update(weight_version: Annotated[str | None, Body(embed=True)] = None):
+        await _control(client.finish_weight_update(weight_version))
+        return json_response({"message": "Weight update finished"})
+
+    @app.get("/weight_info")
+    async def weight_info():
+        return json_response({"weight_version": await _control(client.get_weight_version())})
