@@ -59,15 +59,16 @@ def transformers_greedy(model, tokenizer, path: Path) -> list[list[int]]:
 
 
 def load_weights_in_place(runner, path: str) -> int:
-    """Runs on the model runner (collective_rpc): copy the file's tensors into the parameters."""
+    """Runs on the model runner (collective_rpc): copy the file's tensors into the parameters;
+    returns how many."""
     from safetensors.torch import load_file
 
-    params = dict(runner.model.named_parameters())
+    params, tensors = dict(runner.model.named_parameters()), load_file(path)
     with torch.no_grad():
-        for name, tensor in load_file(path).items():
+        for name, tensor in tensors.items():
             params[name].copy_(tensor)
     runner.bind_weights()  # the CPU linear layers take the new tensors
-    return len(params)
+    return len(tensors)
 
 
 def sync_offline(model_dir: str, path: Path) -> tuple[list, list]:

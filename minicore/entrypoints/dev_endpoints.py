@@ -41,6 +41,11 @@ async def _control(call) -> Any:
 
 
 def attach_dev_routes(app: FastAPI, client: AsyncLLM) -> None:
+    _add_sleep_and_pause_routes(app, client)
+    _add_worker_routes(app, client)
+
+
+def _add_sleep_and_pause_routes(app: FastAPI, client: AsyncLLM) -> None:
     @app.post("/sleep")
     async def sleep(level: int = 1, mode: PauseMode = "abort"):
         await _control(client.sleep(level, mode))
@@ -70,6 +75,8 @@ def attach_dev_routes(app: FastAPI, client: AsyncLLM) -> None:
     async def is_paused():
         return json_response({"is_paused": await _control(client.is_paused())})
 
+
+def _add_worker_routes(app: FastAPI, client: AsyncLLM) -> None:
     @app.post("/collective_rpc")
     async def collective_rpc(method: Annotated[str, Body()], args: Annotated[list, Body()] = [],  # noqa: B006 (FastAPI copies defaults)
                              kwargs: Annotated[dict, Body()] = {},  # noqa: B006

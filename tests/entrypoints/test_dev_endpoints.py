@@ -1,0 +1,109 @@
+"""vLLM's development and RL endpoints (VLLM_SERVER_DEV_MODE=1) on a real server: each answers
+as vLLM's, moves the engines' state (and the engine_sleep_state gauge) as it says, refuses bad
+arguments with a 400 OpenAI error body and changes nothing then; without the switch none is
+mounted. The RL weight sync example runs against a DP=2 server on the real model."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from server_helpers import ServerProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def gauge(http: httpx.Client) -> dict[str, float]:
+    """engine_sleep_state of engine 0, by state."""
+    values = {}
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("vllm:engine_sleep_state{") and 'engine="0"' in line:
+            state = line.split('sleep_state="')[1].split('"')[0]
+            values[state] = float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def complete(http: httpx.Client) -> httpx.Response:
+    model = http.get("/v1/models").json()["data"][0]["id"]
+    return http.post("/v1/completions", json={"model": model, "prompt": [5, 6, 7],
+                                              "max_tokens": 4})
+
+
+def test_the_dev_endpoints_drive_the_engine(monkeypatch):
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    with ServerProcess("--runner", "simulated") as server, \
+            httpx.Client(base_url=server.url, timeout=60) as http:
+        assert gauge(http) == {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
+        assert http.post("/sleep", params={"level": 1}).status_code == 200
+        assert http.get("/is_sleeping").json() == {"is_sleeping": True}
+        assert gauge(http) == {"awake": 0, "weights_offloaded": 1, "discard_all": 0}
+        assert http.post("/wake_up", params={"tags": "weights"}).status_code == 200
+        assert http.get("/is_sleeping").json() == {"is_sleeping": True}
+        assert http.post("/wake_up", params={"tags": "kv_cache"}).status_code == 200
+        assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+        assert gauge(http)["awake"] == 1
+
+        assert http.post("/pause", params={"mode": "keep"}).json() == {"status": "paused"}
+        assert http.get("/is_paused").json() == {"is_paused": True}
+        assert http.post("/resume").json() == {"status": "resumed"}
+        assert http.get("/is_paused").json() == {"is_paused": False}
+
+        rpc = http.post("/collective_rpc", json={"method": "check_can_sleep", "args": [1]})
+        assert rpc.json() == {"results": [None]}
+        assert http.post("/start_weight_update").json() == {"message": "Weight update started"}
+        assert http.post("/finish_weight_update", json={"weight_version": "step-3"}).json() == {
+            "message": "Weight update finished"}
+        assert http.get("/weight_info").json() == {"weight_version": "step-3"}
+
+        for method, path, kwargs in (
+                ("post", "/sleep", {"params": {"level": 3}}),
+                ("post", "/sleep", {"params": {"mode": "later"}}),
+                ("post", "/wake_up", {"params": {"tags": "optimizer"}}),
+                ("post", "/pause", {"params": {"mode": "later"}}),
+                ("post", "/collective_rpc", {"json": {"args": [1]}}),
+                ("post", "/update_weights", {"json": {"update_info": {"path": "/no/such/file"}}}),
+                ("post", "/update_weights", {"json": {}})):
+            response = getattr(http, method)(path, **kwargs)
+            assert response.status_code == 400, (path, kwargs, response.text)
+            assert response.json()["error"]["code"] == 400
+        rpc = http.post("/collective_rpc", json={"method": "_update_states"})
+        assert rpc.status_code == 500 and "no public method" in rpc.json()["error"]["message"]
+        # Nothing above left the engine paused or asleep.
+        assert http.get("/is_paused").json() == {"is_paused": False}
+        assert complete(http).status_code == 200
+
+
+def test_without_dev_mode_no_dev_endpoint_is_mounted(monkeypatch):
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
+    with ServerProcess("--runner", "simulated") as server, \
+            httpx.Client(base_url=server.url, timeout=60) as http:
+        for path in ("/sleep", "/wake_up", "/pause", "/resume", "/collective_rpc",
+                     "/start_weight_update", "/update_weights", "/finish_weight_update"):
+            assert http.post(path).status_code == 404, path
+        for path in ("/is_sleeping", "/is_paused", "/weight_info"):
+            assert http.get(path).status_code == 404, path
+
+
+def run_example(*args: str) -> str:
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "rl_weight_sync.py"), *args],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "weight sync: OK" in result.stdout
+    return result.stdout
+
+
+@pytest.mark.model
+def test_rl_weight_sync_example_offline():
+    assert run_example().count("equals transformers with the new weights") == 3
+
+
+@pytest.mark.model
+def test_rl_weight_sync_example_against_a_dp2_server(monkeypatch):
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    with ServerProcess("--data-parallel-size", "2", "--max-model-len", "512",
+                       "--kv-cache-memory", str(64 << 20)) as server:
+        out = run_example("--base-url", server.url)
+    assert out.count("equals transformers with the new weights") == 3
+    # One result per rank: the 30 tensors each loaded.
+    assert '/collective_rpc {"results":[30,30]}' in out
