@@ -75,6 +75,10 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(
                 f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str):
+            # The engine would drop it as malformed, and its caller would wait forever.
+            raise InvalidRequestError(f"request_id must be a string, got {request_id!r}",
+                                      "request_id")
         if isinstance(priority, bool) or not isinstance(priority, int) or not (
                 INT64_MIN <= priority <= INT64_MAX):
             raise InvalidRequestError(f"priority must be a 64-bit integer, got {priority!r}",

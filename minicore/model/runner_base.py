@@ -31,6 +31,10 @@ class ModelRunnerInterface(Protocol):
         with nothing to do runs while its peers step (minicore/dp/engine.py)."""
         ...
 
+    def check_can_sleep(self, level: int) -> None:
+        """ValueError where the runner could not wake from sleep at level."""
+        ...
+
     def sleep(self, level: int) -> None:
         """Release memory: the KV cache, and at level 2 the weights (EngineControl.sleep)."""
         ...

@@ -40,6 +40,11 @@ def release(runner, level: int) -> None:
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         elif param.device.type == "cuda":
             param.data = param.data.to("cpu").pin_memory()
+    runner.released = {"weights", "kv_cache"}
+    # A DP rank asleep may still be woken for a wave a peer started before the pause reached it
+    # (a request for a wave that had ended): its dummy batches then run nothing, which keeps its
+    # collectives in step with the peers' (all of them, but with expert parallelism).
+    runner.execute_dummy_batch = _nothing
     _return_memory(runner.device)
 
 
@@ -51,7 +56,14 @@ def restore(runner, tags: list[str], level: int) -> None:
             param.data = param.data.to(runner.device)
     if "kv_cache" in tags:
         runner.init_kv_cache()
+    runner.released -= set(tags)
+    if not runner.released:
+        del runner.execute_dummy_batch  # the runner's own again
     _return_memory(runner.device)
+
+
+def _nothing() -> None:
+    """An asleep runner's dummy batch."""
 
 
 def _reload_weights(runner) -> None:

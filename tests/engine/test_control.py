@@ -234,3 +234,30 @@ def test_weight_update_from_a_file_changes_outputs_to_transformers_with_the_new_
     save_file({name: original.contiguous()}, str(new))
     llm.collective_rpc("load_weights", args=(str(new),))  # the original back, for the module
     assert greedy(llm) == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_level_1_moves_the_weights_to_pinned_host_memory_and_back():
+    llm = LLM(dtype="float32", device="cuda", max_model_len=256, gpu_memory_utilization=0.3)
+    before = greedy(llm)
+    params = list(llm.llm_engine.model_runner.model.parameters())
+    allocated = torch.cuda.memory_allocated()
+    llm.sleep(1)
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in params)
+    weights = sum(p.numel() * p.element_size() for p in params)
+    assert allocated - torch.cuda.memory_allocated() >= weights
+    llm.wake_up()
+    assert all(p.device.type == "cuda" for p in params) and greedy(llm) == before
+
+
+@pytest.mark.model
+def test_an_asleep_runner_runs_no_dummy_batch_until_it_is_whole_again(llm):
+    runner = llm.llm_engine.model_runner
+    llm.sleep(1)
+    runner.execute_dummy_batch()  # nothing to write into: it must not touch the model
+    llm.wake_up(["kv_cache"])
+    assert runner.execute_dummy_batch.__name__ == "_nothing"
+    llm.wake_up(["weights"])
+    runner.execute_dummy_batch()
+    assert runner.execute_dummy_batch.__func__ is type(runner).execute_dummy_batch

@@ -39,6 +39,14 @@ def test_text_prompts_get_special_tokens_unless_told_not_to():
     assert request.prompt_token_ids == WordTokenizer().encode("hi", add_special_tokens=False)
 
 
+@pytest.mark.parametrize("request_id", [None, 7, b"r"])
+def test_a_request_id_that_is_not_a_string_is_refused(request_id):
+    # The engine would drop its ADD as malformed, and the caller would wait forever.
+    with pytest.raises(InvalidRequestError, match="request_id must be a string") as e:
+        processor().process_inputs(request_id, [5], SamplingParams())
+    assert e.value.param == "request_id"
+
+
 def test_truncate_prompt_tokens_keeps_the_last_ones():
     params = SamplingParams(truncate_prompt_tokens=2)
     assert processor().process_inputs("t", [5, 6, 7, 8], params).prompt_token_ids == [7, 8]
