@@ -181,6 +181,7 @@ class ProcControl(EngineControl):
     """In an engine process, what waits for idle returns a coroutine, awaited off the busy loop;
     the busy loop calls _notify_idle whenever it waits for input with nothing to do."""
 
+    # Replaced, never appended to in place: this class-level empty list is only the default.
     _idle_waiters: list[asyncio.Future] = []
 
     def _after_idle(self, fn: Callable[[], Any]):

@@ -81,11 +81,9 @@ def _add_worker_routes(app: FastAPI, client: AsyncLLM) -> None:
     async def collective_rpc(method: Annotated[str, Body()], args: Annotated[list, Body()] = [],  # noqa: B006 (FastAPI copies defaults)
                              kwargs: Annotated[dict, Body()] = {},  # noqa: B006
                              timeout: Annotated[float | None, Body()] = None):
+        # The engines send results back as msgpack builtins: JSON values already.
         results = await _control(client.collective_rpc(method, timeout, tuple(args), kwargs))
-        # vLLM's: JSON values as they are, anything else as its string.
-        return json_response({"results": [r if r is None or isinstance(r, dict | list | int | float
-                                                                       | str | bool) else str(r)
-                                          for r in results]})
+        return json_response({"results": results})
 
     @app.post("/start_weight_update")
     async def start_weight_update():

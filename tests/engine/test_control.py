@@ -207,6 +207,7 @@ def test_weight_update_from_a_file_changes_outputs_to_transformers_with_the_new_
     bad = tmp_path / "bad.safetensors"
     save_file({name: torch.zeros(3, 3)}, str(bad))
     llm.pause_generation()
+    assert llm.is_paused()
     llm.start_weight_update()
     with pytest.raises(ValueError, match="does not fit the model"):
         llm.update_weights({"path": str(bad)})
