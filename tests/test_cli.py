@@ -221,13 +221,15 @@ def test_a_bad_dtype_is_refused_at_parse_and_config_time(capsys):
 
 def test_accepted_no_op_flags_say_so_in_help(capsys):
     config = engine_config(["serve", "--trust-remote-code", "--enforce-eager", "-tp", "1",
-                            "-pp", "1", "--generation-config", "vllm"])
+                            "-pp", "1", "--generation-config", "vllm", "--enable-sleep-mode"])
     assert config.model_config.trust_remote_code and config.model_config.enforce_eager
+    assert config.model_config.enable_sleep_mode
     with pytest.raises(SystemExit):
         cli.main(["serve", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "never runs a model's own code" in out
     assert "minicore always runs eagerly" in out
+    assert "sleep and wake_up always work here" in out
     assert "--tensor-parallel-size TENSOR_PARALLEL_SIZE, -tp TENSOR_PARALLEL_SIZE" in out
 
 

@@ -70,6 +70,10 @@ class ModelConfig:
     enforce_eager: bool = flag(
         False, "accepted for vLLM's command lines; no effect: minicore always runs eagerly (it "
                "captures no CUDA graphs)")
+    enable_sleep_mode: bool = flag(
+        False, "accepted for vLLM's command lines; no effect: sleep and wake_up always work here "
+               "(vLLM needs it to allocate through its CuMemAllocator; minicore releases and "
+               "restores the tensors themselves)")
     runner: ModelRunnerKind = flag(
         "transformers", "; ".join(f"{name}: {info.help}" for name, info in MODEL_RUNNERS.items()))
     simulated_cost: SimulatedCost = field(default_factory=SimulatedCost, metadata={
