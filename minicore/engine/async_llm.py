@@ -49,7 +49,7 @@ class AsyncLLM:
         self.input_processor = InputProcessor(config, tokenizer, vocab_size)
         self.output_processor = OutputProcessor(tokenizer)
         self.engine_core = engine_core
-        engine_core.on_dead = self._on_dead
+        engine_core.on_dead = self.output_processor.fail_all
         # Set while the engines take requests; new ones wait for it (pause, sleep).
         self._resumed = asyncio.Event()
         self._resumed.set()
@@ -119,12 +119,14 @@ class AsyncLLM:
                 request_id, prompt, sampling_params, priority=priority,
                 data_parallel_rank=data_parallel_rank)
             prompt_text = prompt if isinstance(prompt, str) else None
-        await self._resumed.wait()
         queue = RequestOutputCollector()
         state = self.output_processor.add_request(request, prompt_text, queue)
         try:
-            state.engine_index = self.engine_core.add_request(request)
-        except EngineDeadError:
+            if not self._resumed.is_set():
+                await self._wait_for_resume(queue)
+            if not state.finished:
+                state.engine_index = self.engine_core.add_request(request)
+        except BaseException:  # the engine is dead, or the consumer left while it waited
             self.output_processor.request_states.pop(request.request_id, None)
             raise
         try:
@@ -249,9 +251,16 @@ class AsyncLLM:
         if self.on_sleep_state is not None and not self.errored:
             self.on_sleep_state(await self.call_utility_all("get_sleep_level"))
 
-    def _on_dead(self, error: EngineDeadError) -> None:
-        self.output_processor.fail_all(error)
-        self._resumed.set()  # held requests fail now, with the engine
+    async def _wait_for_resume(self, queue: RequestOutputCollector) -> None:
+        """While the engines are paused or asleep a new request waits here, before any engine
+        sees it: until resume, or until it ends here (aborted, or the engine died)."""
+        waits = [asyncio.ensure_future(self._resumed.wait()),
+                 asyncio.ensure_future(queue.ready.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
 
     # ---- outputs -------------------------------------------------------------------------------
 

@@ -45,8 +45,12 @@ async def test_kept_and_held_requests_end_as_unpaused_ones(async_scheduling, cle
             assert len(stats["request_ids"]) == 2 and not any(t.done() for t in kept)
             assert (stats["kv_cache_usage"] == 0) == clear_cache
             held = asyncio.ensure_future(run(prompts[2]))
+            gone = asyncio.ensure_future(anext(aiter(llm.generate([3], PARAMS, "gone"))))
             await asyncio.sleep(0.2)
-            assert not held.done()
+            assert not held.done() and not gone.done()
+            await llm.abort("gone")  # held, never sent: it ends at once, as "abort"
+            assert (await gone).outputs[0].finish_reason == "abort"
+            assert "gone" not in (await llm.call_utility("get_stats"))["request_ids"]
             await llm.resume_generation()
             assert await asyncio.gather(*kept, held) == reference
 
