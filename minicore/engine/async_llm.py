@@ -174,6 +174,8 @@ class AsyncLLM:
         await self._holding(self.call_utility_all("pause_scheduler", mode, clear_cache))
 
     async def resume_generation(self) -> None:
+        if await self.is_sleeping():
+            raise ValueError("the engines are asleep: wake_up resumes generation")
         await self.call_utility_all("resume_scheduler")
         self._release()
 

@@ -70,6 +70,9 @@ class EngineControl:
             logger.warning("pause: the prefix cache was not reset (a KV connector holds blocks)")
 
     def resume_scheduler(self) -> None:
+        if self.sleeping_tags:  # a step now would run a model without its memory
+            raise ValueError(f"the engine is asleep ({', '.join(sorted(self.sleeping_tags))} "
+                             "released): wake_up resumes it")
         self.scheduler.paused = False
 
     def is_scheduler_paused(self) -> bool:

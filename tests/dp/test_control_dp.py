@@ -69,6 +69,8 @@ async def test_pause_modes_sleep_and_collective_rpc_on_two_ranks(monkeypatch):
             after_sleep = asyncio.ensure_future(run(0))
             await asyncio.sleep(0.2)
             assert not after_sleep.done()
+            with pytest.raises(ValueError, match="asleep"):
+                await llm.resume_generation()
             await llm.wake_up()
             assert not await llm.is_sleeping() and await after_sleep == (MAX_TOKENS, "length")
 

@@ -116,6 +116,8 @@ def test_sleep_pauses_until_every_tag_is_awake():
     assert core.is_sleeping() and core.is_scheduler_paused() and core.get_sleep_level() == 1
     with pytest.raises(ValueError, match="already asleep"):
         core.sleep(2)
+    with pytest.raises(ValueError, match="asleep .* wake_up resumes it"):
+        core.resume_scheduler()
     core.wake_up(["weights"])
     assert core.is_sleeping() and core.is_scheduler_paused()
     core.wake_up(["kv_cache"])

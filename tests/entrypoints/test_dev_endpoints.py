@@ -38,6 +38,7 @@ def test_the_dev_endpoints_drive_the_engine(monkeypatch):
         assert http.post("/sleep", params={"level": 1}).status_code == 200
         assert http.get("/is_sleeping").json() == {"is_sleeping": True}
         assert gauge(http) == {"awake": 0, "weights_offloaded": 1, "discard_all": 0}
+        assert http.post("/resume").status_code == 400  # asleep: wake_up resumes
         assert http.post("/wake_up", params={"tags": "weights"}).status_code == 200
         assert http.get("/is_sleeping").json() == {"is_sleeping": True}
         assert http.post("/wake_up", params={"tags": "kv_cache"}).status_code == 200
