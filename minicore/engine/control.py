@@ -106,9 +106,9 @@ class EngineControl:
         tags = list(SLEEP_TAGS) if tags is None else tags
         if unknown := sorted(set(tags) - set(SLEEP_TAGS)):
             raise ValueError(f"unknown wake_up tag(s) {unknown}; the tags are {list(SLEEP_TAGS)}")
-        waking = self.sleeping_tags & set(tags)
-        self.model_runner.wake_up(sorted(waking), self.sleep_level)
-        self.sleeping_tags -= waking
+        if waking := self.sleeping_tags & set(tags):
+            self.model_runner.wake_up(sorted(waking), self.sleep_level)
+            self.sleeping_tags -= waking
         if not self.sleeping_tags:
             self.sleep_level = 0
             self.resume_scheduler()

@@ -123,6 +123,9 @@ def test_sleep_pauses_until_every_tag_is_awake():
     core.wake_up(["kv_cache"])
     assert not core.is_sleeping() and not core.is_scheduler_paused()
     assert core.get_sleep_level() == 0
+    core.pause_scheduler("keep")
+    core.wake_up()  # awake already: nothing to bring back, and it resumes, as vLLM's
+    assert not core.is_sleeping() and not core.is_scheduler_paused()
 
 
 def test_the_utility_surface_is_the_control_methods_only():
@@ -196,6 +199,8 @@ def test_sleep_releases_the_kv_cache_and_at_level_2_the_weights(llm, level):
         llm.generate(TEXTS, GREEDY, use_tqdm=False)
     llm.wake_up()
     assert not llm.is_sleeping() and len(runner.kv_caches) == runner.model.config.num_hidden_layers
+    assert greedy(llm) == before
+    llm.wake_up()  # awake already: changes nothing
     assert greedy(llm) == before
 
 
