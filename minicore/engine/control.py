@@ -96,19 +96,25 @@ class EngineControl:
         pause = self.pause_scheduler(mode, clear_cache=True)
         return self._then(pause, partial(self._release, level))
 
-    def _release(self, level: int) -> None:
-        self.model_runner.sleep(level)
+    def _release(self, level: int):
+        # Asleep from now (resume is refused), while the runner frees its memory on its thread.
         self.sleep_level, self.sleeping_tags = level, frozenset(SLEEP_TAGS)
+        release = partial(self.model_runner.sleep, level)
+        return self._then(self._on_forward_thread(release, None), lambda: None)
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
+    def wake_up(self, tags: list[str] | None = None):
         """Bring back the memory of tags ("weights", "kv_cache"; None: both); once all is back,
         scheduling resumes (vLLM's rule)."""
         tags = list(SLEEP_TAGS) if tags is None else tags
         if unknown := sorted(set(tags) - set(SLEEP_TAGS)):
             raise ValueError(f"unknown wake_up tag(s) {unknown}; the tags are {list(SLEEP_TAGS)}")
-        if waking := self.sleeping_tags & set(tags):
-            self.model_runner.wake_up(sorted(waking), self.sleep_level)
-            self.sleeping_tags -= waking
+        waking = sorted(self.sleeping_tags & set(tags))
+        # On the runner's thread: reloading a model's weights may take a while.
+        restore = partial(self.model_runner.wake_up, waking, self.sleep_level)
+        return self._then(self._on_forward_thread(restore, None), partial(self._woken, waking))
+
+    def _woken(self, tags: list[str]) -> None:
+        self.sleeping_tags -= set(tags)
         if not self.sleeping_tags:
             self.sleep_level = 0
             self.resume_scheduler()
@@ -199,7 +205,8 @@ class ProcControl(EngineControl):
     def _then(self, first, fn: Callable[[], Any]):
         async def run():
             await first
-            return fn()
+            result = fn()
+            return await result if inspect.isawaitable(result) else result
         return run()
 
     def _notify_idle(self) -> None:

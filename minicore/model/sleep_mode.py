@@ -49,6 +49,8 @@ def release(runner, level: int) -> None:
 
 
 def restore(runner, tags: list[str], level: int) -> None:
+    if not tags:
+        return
     if "weights" in tags and level == 2:
         _reload_weights(runner)
     elif "weights" in tags:
