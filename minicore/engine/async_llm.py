@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from minicore.config import EngineConfig
-from minicore.engine.control import PAUSE_MODES, SLEEP_TAGS, PauseMode
+from minicore.engine.control import PauseMode, check_pause_mode, check_sleep_level, wake_tags
 from minicore.engine.core_client import EngineDeadError, make_async_mp_client
 from minicore.engine.input_processor import InputProcessor, Prompt
 from minicore.engine.launch import resolve_model
@@ -169,8 +169,7 @@ class AsyncLLM:
         wait. Returns once every engine is idle. wait_for_inflight_requests: vLLM's older
         spelling of mode="wait"."""
         mode = "wait" if wait_for_inflight_requests else mode
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}, not {mode!r}")
+        check_pause_mode(mode)
         await self._holding(self.call_utility_all("pause_scheduler", mode, clear_cache))
 
     async def resume_generation(self) -> None:
@@ -185,10 +184,8 @@ class AsyncLLM:
     async def sleep(self, level: int = 1, mode: PauseMode = "abort") -> None:
         """Pause (mode) and release memory on every engine: the KV cache, and at level 2 the
         weights (reloaded from the model directory on wake-up)."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, not {level!r}")
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}, not {mode!r}")
+        check_sleep_level(level)
+        check_pause_mode(mode)
         try:
             await self._holding(self.call_utility_all("sleep", level, mode))
         finally:
@@ -197,8 +194,7 @@ class AsyncLLM:
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """Bring back "weights" and/or "kv_cache" (None: both) on every engine; generation
         resumes once every engine is whole."""
-        if tags is not None and (unknown := sorted(set(tags) - set(SLEEP_TAGS))):
-            raise ValueError(f"unknown tag(s) {unknown}; the tags are {list(SLEEP_TAGS)}")
+        wake_tags(tags)
         await self.call_utility_all("wake_up", tags)
         if not await self.is_sleeping():
             self._release()

@@ -4,14 +4,15 @@ users drive vLLM (sleep and wake up, pause and resume, collective_rpc, the weigh
 Mirrors the utility methods of EngineCore in vllm/v1/engine/core.py (sleep, wake_up, is_sleeping,
 pause_scheduler, resume_scheduler, is_scheduler_paused, collective_rpc, reset_prefix_cache,
 start_weight_update / update_weights / finish_weight_update, get_weight_version) and
-EngineCoreProc's UTILITY handling (_convert_msgspec_args; the result or the error goes back as a
-UtilityOutput; a method may finish later, when the engine is idle). EngineControl is mixed into
-EngineCore; ProcControl into EngineCoreProc, where "idle" is the busy loop's (a DP rank's: its
-wave ended on every rank). The guarded surface: a UTILITY message may name only the public methods
-of EngineControl (UTILITY_METHODS), and collective_rpc only the runner's public methods, or a
-pickled callable where MINICORE_ALLOW_INSECURE_SERIALIZATION=1 (vLLM's
-VLLM_ALLOW_INSECURE_SERIALIZATION). Left out: LoRA, profiling, elastic scaling, NCCL/IPC weight
-transfer (the update reads a local safetensors file).
+EngineCoreProc's UTILITY handling (the result or the error goes back as a UtilityOutput; a method
+may finish later, when the engine is idle; vLLM's _convert_msgspec_args has nothing to convert:
+no method here takes a msgspec Struct). EngineControl is mixed into EngineCore; ProcControl into
+EngineCoreProc, where "idle" is the busy loop's (a DP rank's: its wave ended on every rank).
+The guarded surface: a UTILITY message may name only the public methods of EngineControl
+(UTILITY_METHODS), and collective_rpc only the runner's public methods, or a pickled callable
+where MINICORE_ALLOW_INSECURE_SERIALIZATION=1 (vLLM's VLLM_ALLOW_INSECURE_SERIALIZATION).
+Left out: LoRA, profiling, elastic scaling, NCCL/IPC weight transfer (the update reads a local
+safetensors file).
 """
 
 import asyncio
@@ -37,6 +38,24 @@ INSECURE_SERIALIZATION_ENV = "MINICORE_ALLOW_INSECURE_SERIALIZATION"
 PICKLED_CALLABLE_EXT = 1
 
 
+def check_pause_mode(mode) -> None:
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, not {mode!r}")
+
+
+def check_sleep_level(level) -> None:
+    if level not in (1, 2):
+        raise ValueError(f"sleep level must be 1 or 2, not {level!r}")
+
+
+def wake_tags(tags: list[str] | None) -> list[str]:
+    """wake_up's tags (None: all), ValueError for one that is not a tag."""
+    tags = list(SLEEP_TAGS) if tags is None else tags
+    if unknown := sorted(set(tags) - set(SLEEP_TAGS)):
+        raise ValueError(f"unknown wake_up tag(s) {unknown}; the tags are {list(SLEEP_TAGS)}")
+    return tags
+
+
 class EngineControl:
     """The utility methods. State defaults are class attributes: nothing to set up."""
 
@@ -55,8 +74,7 @@ class EngineControl:
         them where they are (clear_cache then preempts the running ones: recomputed on resume,
         with whatever weights the engine has by then), "wait" lets them finish first. Completes
         when the engine is idle."""
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, not {mode!r}")
+        check_pause_mode(mode)
         if mode == "abort":
             ids = [rid for rid, r in self.scheduler.requests.items() if not r.is_finished()]
             self.abort_requests(ids)
@@ -84,8 +102,7 @@ class EngineControl:
         """Pause (mode), then release memory: the KV cache at level 1 and 2, the weights at
         level 2 (on CUDA level 1 moves them to pinned CPU memory). The scheduler stays paused
         until every tag is awake again."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, not {level!r}")
+        check_sleep_level(level)
         if self.config.kv_transfer_config is not None:
             raise ValueError("sleep mode with a KV connector is not supported: the connector "
                              "registered the KV cache's memory with its peers")
@@ -105,10 +122,7 @@ class EngineControl:
     def wake_up(self, tags: list[str] | None = None):
         """Bring back the memory of tags ("weights", "kv_cache"; None: both); once all is back,
         scheduling resumes (vLLM's rule)."""
-        tags = list(SLEEP_TAGS) if tags is None else tags
-        if unknown := sorted(set(tags) - set(SLEEP_TAGS)):
-            raise ValueError(f"unknown wake_up tag(s) {unknown}; the tags are {list(SLEEP_TAGS)}")
-        waking = sorted(self.sleeping_tags & set(tags))
+        waking = sorted(self.sleeping_tags & set(wake_tags(tags)))
         # On the runner's thread: reloading a model's weights may take a while.
         restore = partial(self.model_runner.wake_up, waking, self.sleep_level)
         return self._then(self._on_forward_thread(restore, None), partial(self._woken, waking))
@@ -260,27 +274,17 @@ UTILITY_METHODS = frozenset(name for name, value in vars(EngineControl).items()
 
 
 def call_utility(engine: EngineControl, method: str, args: list | tuple):
-    """engine.method(*args), with the arguments a method annotates as msgspec Structs converted
-    from what msgpack decoded (vLLM's _convert_msgspec_args). ValueError for a name outside
+    """engine.method(*args); ValueError, before anything runs, for a name outside
     UTILITY_METHODS or arguments the method does not take."""
     if method not in UTILITY_METHODS:
         raise ValueError(f"unknown utility method {method!r}; the engine's utility methods are "
                          f"{', '.join(sorted(UTILITY_METHODS))}")
     bound = getattr(engine, method)
-    signature = inspect.signature(bound)
     try:
-        signature.bind(*args)
+        inspect.signature(bound).bind(*args)
     except TypeError as e:
         raise ValueError(f"{method}: {e}") from None
-    return bound(*[_convert(value, p.annotation)
-                   for value, p in zip(args, signature.parameters.values())])
-
-
-def _convert(value, annotation):
-    if (isinstance(annotation, type) and issubclass(annotation, msgspec.Struct)
-            and not isinstance(value, annotation)):
-        return msgspec.convert(value, annotation)
-    return value
+    return bound(*args)
 
 
 def resolve_worker_call(runner, method) -> Callable:
