@@ -27,6 +27,7 @@ from minicore.structured_output.config import StructuredOutputsConfig
 
 BalanceThreshold = Literal["full", "one-short"]
 BalanceCountSync = Literal["all-gather", "all-reduce-max"]
+DataParallelBackend = Literal["mp", "ray"]
 
 
 @dataclass(slots=True)
@@ -125,15 +126,20 @@ class ParallelConfig:
         1, "accepted as 1 only: minicore has no tensor parallelism", aliases=("-tp",))
     pipeline_parallel_size: int = flag(
         1, "accepted as 1 only: minicore has no pipeline parallelism", aliases=("-pp",))
+    # vLLM's flag: mp starts processes (engine/launch.py), ray places actors (dp/ray_launch.py).
+    data_parallel_backend: DataParallelBackend = flag(
+        "mp", "how the DP ranks start: mp: processes on this machine, ranks on other machines "
+              "with --headless; ray: Ray actors, placed on the nodes of a Ray cluster "
+              "(RAY_ADDRESS, else a local one started here)", aliases=("-dpb",))
     # A frontend's local ranks start at 0; ranks on other machines start headless.
     data_parallel_size_local: int | None = flag(
         None, "DP ranks to start on this machine (default: all, from the start rank on)",
         aliases=("-dpl",))
     data_parallel_start_rank: int = flag(
         0, "the first DP rank started on this machine (with --headless)", aliases=("-dpr",))
-    data_parallel_address: str = flag(
-        "127.0.0.1", "the frontend machine's address, which every rank connects to",
-        aliases=("-dpa",))
+    data_parallel_address: str | None = flag(  # None: set in __post_init__, or by Ray's placement
+        None, "the frontend machine's address, which every rank connects to (default: 127.0.0.1; "
+              "ray: this node's Ray address if a rank runs on another node)", aliases=("-dpa",))
     # Rank 0 hosts the torch.distributed rendezvous; the frontend listens for the engines of every
     # machine on the port after it.
     data_parallel_rpc_port: int = flag(
@@ -157,6 +163,12 @@ class ParallelConfig:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.data_parallel_size_local is None:
             self.data_parallel_size_local = self.data_parallel_size - self.data_parallel_start_rank
+        if self.data_parallel_backend == "ray":
+            self._check_ray()
+        elif self.data_parallel_backend != "mp":
+            raise ValueError(f"data_parallel_backend {self.data_parallel_backend!r}: mp or ray")
+        elif self.data_parallel_address is None:
+            self.data_parallel_address = "127.0.0.1"
         if not 0 <= self.data_parallel_start_rank < self.data_parallel_size:
             raise ValueError(f"data_parallel_start_rank must be in [0, {self.data_parallel_size}), "
                              f"got {self.data_parallel_start_rank}")
@@ -172,6 +184,14 @@ class ParallelConfig:
         if self.enable_expert_parallel and self.data_parallel_size < 2:
             raise ValueError("expert parallelism shards the experts over the data-parallel ranks: "
                              "--enable-expert-parallel needs --data-parallel-size >= 2")
+
+    def _check_ray(self) -> None:
+        # Rank 0 hosts the DP group's rendezvous at the frontend's address, so it runs beside it.
+        if (self.data_parallel_size < 2 or self.data_parallel_start_rank
+                or self.data_parallel_size_local < 1):
+            raise ValueError("--data-parallel-backend ray needs --data-parallel-size >= 2, ranks "
+                             "0 to --data-parallel-size-local - 1 (at least rank 0) on the "
+                             "frontend's node, no --data-parallel-start-rank; Ray places the rest")
 
     @property
     def local_ranks(self) -> range:

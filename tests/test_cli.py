@@ -23,7 +23,7 @@ from minicore.engine.arg_utils import engine_kwargs_from_cli
 from minicore.model.config import SimulatedCost
 
 CONFIGS = (ModelConfig, SchedulerConfig, CacheConfig, ParallelConfig)
-RUNTIME_FIELDS = {"num_blocks", "data_parallel_rank"}
+RUNTIME_FIELDS = {"num_blocks", "data_parallel_rank", "model_source"}
 
 
 def engine_config(argv: list[str]) -> EngineConfig:

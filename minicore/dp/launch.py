@@ -23,6 +23,10 @@ logger = logging.getLogger(__name__)
 def run_headless(config: EngineConfig) -> None:
     """Run this machine's DP ranks until a signal, or until one of them exits."""
     pc = config.parallel_config
+    if pc.data_parallel_backend == "ray":
+        raise ValueError("--headless starts the ranks of another machine by hand (the mp "
+                         "backend); with --data-parallel-backend ray, Ray starts them: join the "
+                         "machine to the cluster with `ray start --address HEAD:6379` instead")
     if pc.data_parallel_start_rank == 0:
         raise ValueError("--headless runs the ranks of another machine than the frontend's: "
                          "give it --data-parallel-start-rank > 0")

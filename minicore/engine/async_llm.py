@@ -72,7 +72,11 @@ class AsyncLLM:
         config = await asyncio.to_thread(resolve_model, config)
         mc = config.model_config
         tokenizer, vocab_size = await asyncio.to_thread(load_tokenizer, mc.model, mc.tokenizer)
-        engine_core = await make_async_mp_client(config, startup_timeout)
+        client_cls = None
+        if config.parallel_config.data_parallel_backend == "ray":
+            # Imported only here: Ray is an optional extra (minicore[ray]).
+            from minicore.dp.ray_launch import RayDPLBAsyncMPClient as client_cls
+        engine_core = await make_async_mp_client(config, startup_timeout, client_cls)
         # The frontend's startup heap is static too (transformers, the tokenizer).
         freeze_gc_heap()
         return cls(config, tokenizer, vocab_size, name, engine_core)

@@ -59,10 +59,14 @@ class EngineDeadError(RuntimeError):
     """The engine process died: in-flight and later requests fail with this."""
 
 
-async def make_async_mp_client(config: EngineConfig, startup_timeout: float) -> "AsyncMPClient":
-    """Start the engines and wait until every one (local or not) is READY."""
-    dp = config.parallel_config.data_parallel_size > 1
-    client = DPLBAsyncMPClient(config) if dp else AsyncMPClient(config)
+async def make_async_mp_client(config: EngineConfig, startup_timeout: float,
+                               client_cls: type["AsyncMPClient"] | None = None) -> "AsyncMPClient":
+    """Start the engines and wait until every one (local or not) is READY. client_cls: default
+    DPLBAsyncMPClient with data parallelism, else AsyncMPClient."""
+    if client_cls is None:
+        dp = config.parallel_config.data_parallel_size > 1
+        client_cls = DPLBAsyncMPClient if dp else AsyncMPClient
+    client = client_cls(config)
     try:
         await client.start(startup_timeout)
     except BaseException:
@@ -138,25 +142,30 @@ class AsyncMPClient:
         self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         output_socket = self._bind(zmq.PULL, "output")
         self.output_socket = zmq.asyncio.Socket.from_socket(output_socket)
-        handshake = zmq.asyncio.Socket.from_socket(self._bind(zmq.ROUTER, "handshake"))
-        addresses = msgspec.msgpack.encode({
+        self.num_blocks = await self._launch_engines({
             "input": self.input_socket.getsockopt_string(zmq.LAST_ENDPOINT),
-            "output": output_socket.getsockopt_string(zmq.LAST_ENDPOINT)})
+            "output": output_socket.getsockopt_string(zmq.LAST_ENDPOINT)}, deadline)
+        self._take_first_input_frames(deadline)
+        self.watchdog.start()
+        logger.info("%d engine core(s) ready: KV blocks by engine %s", self.num_engines,
+                    self.num_blocks)
+
+    async def _launch_engines(self, addresses: dict[str, str], deadline: float) -> dict[int, int]:
+        """Start this machine's engine processes and answer every engine's handshake (remote
+        ones too) with the addresses; returns each engine's KV blocks. The Ray backend places
+        actors instead (minicore/dp/ray_launch.py)."""
+        handshake = zmq.asyncio.Socket.from_socket(self._bind(zmq.ROUTER, "handshake"))
         try:
             self.manager = CoreEngineProcManager(
                 self.config, handshake.getsockopt_string(zmq.LAST_ENDPOINT))
             loop = asyncio.get_running_loop()
             for rank, proc in self.manager.procs.items():
                 loop.add_reader(proc.sentinel, functools.partial(self._on_engine_exit, rank))
-            self.num_blocks = await wait_for_engine_startup(
-                handshake, addresses, self.num_engines, self.manager.procs, deadline,
-                self._engine_exited)
-            self._take_first_input_frames(deadline)
+            return await wait_for_engine_startup(
+                handshake, msgspec.msgpack.encode(addresses), self.num_engines,
+                self.manager.procs, deadline, self._engine_exited)
         finally:
             handshake.close(linger=0)
-        self.watchdog.start()
-        logger.info("%d engine core(s) ready: KV blocks by engine %s", self.num_engines,
-                    self.num_blocks)
 
     def _take_first_input_frames(self, deadline: float) -> None:
         """Each engine's first frame on the input socket lets the ROUTER route to it. It was sent

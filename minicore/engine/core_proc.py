@@ -14,6 +14,7 @@ DPEngineCoreProc's (minicore/dp/engine.py); UTILITY calls, ProcControl's
 """
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -63,10 +64,7 @@ class EngineCoreProc(ProcControl, EngineCore):
         self.shutdown_requested = False
         identity = engine_index.to_bytes(2, "little")
         self.ctx = zmq.Context()
-        handshake = make_zmq_socket(self.ctx, handshake_address, zmq.DEALER, bind=False,
-                                    identity=identity, linger=5000)
-        try:
-            addresses = self._startup_handshake(handshake, handshake_address, handshake_timeout)
+        with self._perform_handshakes(handshake_address, identity, handshake_timeout) as addresses:
             self._input_socket = make_zmq_socket(self.ctx, addresses["input"], zmq.DEALER,
                                                  bind=False, identity=identity)
             # Linger, so that ENGINE_CORE_DEAD still leaves when the process exits on an error.
@@ -77,11 +75,6 @@ class EngineCoreProc(ProcControl, EngineCore):
             self._init_data_parallel(config)
             super().__init__(config)
             freeze_gc_heap()
-            handshake.send(msgspec.msgpack.encode(
-                {"status": "READY", "engine_index": engine_index,
-                 "num_gpu_blocks": config.cache_config.num_blocks}))
-        finally:
-            handshake.close()
         self._decoders = {
             EngineCoreRequestType.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
             EngineCoreRequestType.ABORT: msgspec.msgpack.Decoder(list[str]),
@@ -98,14 +91,24 @@ class EngineCoreProc(ProcControl, EngineCore):
     def _init_data_parallel(self, config: EngineConfig) -> None:
         """Join the DP group before the model loads (DPEngineCoreProc); nothing to do alone."""
 
-    def _startup_handshake(self, handshake: zmq.Socket, address: str,
-                           timeout: float) -> dict[str, str]:
-        handshake.send(msgspec.msgpack.encode({"status": "HELLO",
-                                               "engine_index": self.engine_index}))
-        if not handshake.poll(timeout=int(timeout * 1000)):
-            raise RuntimeError(f"the frontend did not answer this engine's HELLO within "
-                               f"{timeout:g} s (handshake socket {address})")
-        return msgspec.msgpack.decode(handshake.recv(), type=dict[str, str])
+    @contextlib.contextmanager
+    def _perform_handshakes(self, address: str, identity: bytes, timeout: float):
+        """HELLO, then yield the frontend's addresses; READY once the body (the model load) is
+        done. A Ray actor is handed its addresses instead (minicore/dp/ray_launch.py)."""
+        handshake = make_zmq_socket(self.ctx, address, zmq.DEALER, bind=False,
+                                    identity=identity, linger=5000)
+        try:
+            handshake.send(msgspec.msgpack.encode({"status": "HELLO",
+                                                   "engine_index": self.engine_index}))
+            if not handshake.poll(timeout=int(timeout * 1000)):
+                raise RuntimeError(f"the frontend did not answer this engine's HELLO within "
+                                   f"{timeout:g} s (handshake socket {address})")
+            yield msgspec.msgpack.decode(handshake.recv(), type=dict[str, str])
+            handshake.send(msgspec.msgpack.encode(
+                {"status": "READY", "engine_index": self.engine_index,
+                 "num_gpu_blocks": self.config.cache_config.num_blocks}))
+        finally:
+            handshake.close()
 
     # ---- the event loop ------------------------------------------------------------------------
 

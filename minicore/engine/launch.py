@@ -65,8 +65,8 @@ def resolve_model(config: EngineConfig) -> EngineConfig:
     config = resolve_max_model_len(config, read_json_file(model_dir, "config.json"),
                                    read_json_file(config.model_config.tokenizer or model_dir,
                                                   "tokenizer_config.json"))
-    return dataclasses.replace(
-        config, model_config=dataclasses.replace(config.model_config, model=model_dir))
+    return dataclasses.replace(config, model_config=dataclasses.replace(
+        config.model_config, model=model_dir, model_source=config.model_config.model))
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config: dict,
@@ -88,7 +88,7 @@ def run_engine_core(config: EngineConfig, handshake_address: str, engine_index: 
                     handshake_timeout: float = HANDSHAKE_TIMEOUT_S) -> None:
     """Entry point of an engine process (multiprocessing "spawn"): handshake, load the model, serve
     until SIGTERM/SIGINT (exit 0) or a fatal error (ENGINE_CORE_DEAD, exit 1)."""
-    _configure_process(config, engine_index)
+    configure_engine_process(config, engine_index)
     shutdown_requested = False
 
     def signal_handler(signum, frame):
@@ -188,7 +188,7 @@ def log_engine_config(config: EngineConfig, runner) -> None:
         mc.seed, mc.generation_config, config.speculative_config, sc.async_scheduling)
 
 
-def _configure_process(config: EngineConfig, engine_index: int) -> None:
+def configure_engine_process(config: EngineConfig, engine_index: int) -> None:
     configure_logging(f"EngineCore_DP{engine_index}")  # vLLM's name for an engine process
     if not runner_info(config.model_config.runner).needs_weights:
         return  # no torch to configure

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from minicore.arg_utils import (
+    RUNTIME,
     check_generation_config,
     diff_sampling_param,
     flag,
@@ -44,6 +45,9 @@ class SimulatedCost:
 class ModelConfig:
     model: str | None = flag(
         None, "safetensors directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    # The model as the user named it, kept by resolve_model when it makes `model` this machine's
+    # directory (a GGUF's conversion): a Ray rank on another node resolves it there.
+    model_source: str | None = field(default=None, metadata=RUNTIME)
     tokenizer: str | None = flag(
         None, "a local tokenizer directory, when not the model's own (default: the model's)")
     dtype: ModelDType = flag(

@@ -1,0 +1,269 @@
+"""DP ranks as Ray actors (--data-parallel-backend ray), placed on the nodes of a Ray cluster.
+
+Mirrors CoreEngineActorManager (vllm/v1/engine/utils.py) and DPEngineCoreActor
+(vllm/v1/engine/core.py). Ray only places and starts: one placement group per rank (ranks
+0..data_parallel_size_local-1 on the frontend's node, the rest wherever the cluster has room), one
+actor in each; the frontend's addresses go to every actor when it is created, so there is no ZMQ
+handshake, and readiness is the actor's wait_for_init. Requests and outputs then flow over the same
+ZMQ sockets as with the mp backend, and the ranks meet in the same gloo group. The frontend
+watches each actor's run() and turns dead when one ends. Left out: several engines per placement
+group (tensor parallelism), vLLM's pack strategies, elastic scaling.
+"""
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import time
+
+import ray
+import uvloop
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from minicore.config import EngineConfig
+from minicore.dp.engine import DPEngineCoreProc
+from minicore.engine.core_client import DPLBAsyncMPClient
+from minicore.engine.launch import configure_engine_process, log_engine_config, resolve_model
+
+logger = logging.getLogger(__name__)
+
+# How long the ranks' placement groups may wait for resources the cluster has but are in use
+# (resources it does not have at all are refused at once).
+PLACEMENT_TIMEOUT_S = 60.0
+# The engines' settings that travel to actors on other nodes, whose environment is the one their
+# `ray start` had.
+FORWARDED_ENV_PREFIXES = ("MINICORE_", "VLLM_", "HF_", "TRANSFORMERS_")
+
+
+class RayDPEngineCoreProc(DPEngineCoreProc):
+    """A DP rank whose frontend addresses were given at creation: nothing to handshake."""
+
+    def __init__(self, config: EngineConfig, addresses: dict[str, str], rank: int):
+        self.addresses = addresses
+        super().__init__(config, "", rank)
+
+    @contextlib.contextmanager
+    def _perform_handshakes(self, address: str, identity: bytes, timeout: float):
+        yield self.addresses
+
+
+class DPEngineCoreActor:
+    """The Ray actor of one DP rank: __init__ builds the engine (joins the DP group, loads the
+    model), wait_for_init returns once that is done (its KV blocks; vLLM's returns nothing),
+    run serves until the actor is killed or the engine fails. Not a DPEngineCoreProc itself, as
+    vLLM's is: Ray would make a class with coroutine methods an async actor, running them on its
+    own event loop, where the engine runs on a uvloop of its own."""
+
+    def __init__(self, config: EngineConfig, addresses: dict[str, str], rank: int):
+        configure_engine_process(config, rank)
+        self.engine_core: RayDPEngineCoreProc | None = None
+        self.startup_error: Exception | None = None
+        try:
+            # A GGUF's conversion is this node's own (another node may not have the frontend's).
+            mc = config.model_config
+            config = resolve_model(dataclasses.replace(
+                config, model_config=dataclasses.replace(mc, model=mc.model_source)))
+            config.parallel_config.data_parallel_rank = rank
+            self.engine_core = RayDPEngineCoreProc(config, addresses, rank)
+            log_engine_config(self.engine_core.config, self.engine_core.model_runner)
+        except Exception as e:  # raised to the frontend by wait_for_init, whole
+            logger.error("EngineCore failed to start: %s", e,
+                         exc_info=logger.isEnabledFor(logging.DEBUG))
+            self.startup_error = e
+
+    def wait_for_init(self) -> int:
+        if self.startup_error is not None:
+            raise self.startup_error
+        return self.engine_core.config.cache_config.num_blocks
+
+    def run(self) -> None:
+        fatal = True
+        try:
+            uvloop.run(self.engine_core.run())
+            fatal = False
+            logger.info("EngineCore exiting.")
+        finally:
+            self.engine_core.close(fatal)
+
+
+class CoreEngineActorManager:
+    """The placement groups and actors of every DP rank, created from the frontend; close()
+    removes them all (and stops the local Ray cluster if it started one)."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.owns_ray = not ray.is_initialized()
+        if self.owns_ray:
+            # RAY_ADDRESS's cluster, else a new local one (not Ray's guess from the address file
+            # of the last cluster started here, which outlives that cluster).
+            ray.init(address=os.environ.get("RAY_ADDRESS") or "local")
+        self.placement_groups = []
+        self.actors = []
+        self.here = ray.get_runtime_context().get_node_id()
+        device = config.model_config.device or ("cuda" if _cluster_gpus() else "cpu")
+        # One CPU for the engine process, and its GPU on CUDA (vLLM's bundles).
+        self.bundle = {"CPU": 1.0} if device.startswith("cpu") else {"CPU": 1.0, "GPU": 1.0}
+
+    @property
+    def procs(self) -> dict:
+        """No engine process of the frontend's own: Ray starts them, and they are watched
+        through their actors' run()."""
+        return {}
+
+    def place(self, deadline: float) -> EngineConfig:
+        """A placement group per rank, ready (ValueError if the cluster cannot hold them,
+        TimeoutError naming what is missing if they do not fit in time); returns the config
+        with the address the ranks reach the frontend at."""
+        pc = self.config.parallel_config
+        nodes = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
+        self._check_fits(nodes)
+        for rank in range(pc.data_parallel_size):
+            local = rank < pc.data_parallel_size_local
+            self.placement_groups.append(placement_group(
+                [self.bundle], strategy="STRICT_PACK", name=f"dp_rank_{rank}",
+                bundle_label_selector=[{"ray.io/node-id": self.here}] if local else None))
+        ready = [pg.ready() for pg in self.placement_groups]
+        timeout = max(0.0, min(PLACEMENT_TIMEOUT_S, deadline - time.monotonic()))
+        done, _ = ray.wait(ready, num_returns=len(ready), timeout=timeout)
+        if len(done) < len(ready):
+            missing = [rank for rank, ref in enumerate(ready) if ref not in done]
+            raise TimeoutError(
+                f"Ray could not place DP rank(s) {missing} within {timeout:g} s: each needs "
+                f"{self.bundle}{self._local_note(missing)}; available now: "
+                f"{_describe(ray.available_resources_per_node(), self.here)}")
+        self.node_ids = [ray.util.placement_group_table(pg)["bundles_to_node_id"][0]
+                         for pg in self.placement_groups]
+        address = pc.data_parallel_address or (
+            "127.0.0.1" if set(self.node_ids) == {self.here} else ray.util.get_node_ip_address())
+        self.config = dataclasses.replace(self.config, parallel_config=dataclasses.replace(
+            pc, data_parallel_address=address))
+        logger.info("Ray placed DP ranks on nodes %s; the frontend listens on %s",
+                    [node_id[:8] for node_id in self.node_ids], address)
+        return self.config
+
+    def _check_fits(self, nodes: dict) -> None:
+        """Refuse at once what no wait could fix: more ranks than the nodes' total resources
+        hold (local ranks on this node, the rest anywhere)."""
+        pc = self.config.parallel_config
+        slots = {node_id: _slots(n["Resources"], self.bundle) for node_id, n in nodes.items()}
+        local = pc.data_parallel_size_local
+        if slots.get(self.here, 0) >= local and sum(slots.values()) >= pc.data_parallel_size:
+            return
+        totals = {node_id: n["Resources"] for node_id, n in nodes.items()}
+        raise ValueError(
+            f"the Ray cluster cannot hold {pc.data_parallel_size} DP ranks, each needing "
+            f"{self.bundle}{self._local_note(range(local))}; its nodes have "
+            f"{_describe(totals, self.here)}")
+
+    def _local_note(self, ranks) -> str:
+        local = [r for r in ranks if r < self.config.parallel_config.data_parallel_size_local]
+        return (f", rank(s) {local} on this node ({self.here[:8]}, "
+                "--data-parallel-size-local)") if local else ""
+
+    def start_actors(self, addresses: dict[str, str]) -> None:
+        actor_cls = ray.remote(DPEngineCoreActor)
+        for rank, pg in enumerate(self.placement_groups):
+            # Named as the mp backend's processes (unique within this frontend's Ray job).
+            options = {"name": f"EngineCore_DP{rank}", "num_cpus": self.bundle["CPU"],
+                       "num_gpus": self.bundle.get("GPU", 0),
+                       "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, 0),
+                       "runtime_env": {"env_vars": self._engine_env(rank)}}
+            self.actors.append(actor_cls.options(**options).remote(self.config, addresses, rank))
+
+    def _engine_env(self, rank: int) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
+        if "MINICORE_CPU_THREADS" not in env and "GPU" not in self.bundle:
+            # The ranks on one node share its cores, as the mp backend's local ranks do.
+            node_id = self.node_ids[rank]
+            cpus = next(n["Resources"].get("CPU", 1) for n in ray.nodes()
+                        if n["NodeID"] == node_id)
+            env["MINICORE_CPU_THREADS"] = str(max(1, int(cpus) // self.node_ids.count(node_id)))
+        return env
+
+    async def wait_for_init(self, deadline: float) -> dict[int, int]:
+        """Each rank's KV blocks once every actor is built; the first failure raised at once."""
+        pending = {asyncio.wrap_future(actor.wait_for_init.remote().future()): rank
+                   for rank, actor in enumerate(self.actors)}
+        num_blocks = {}
+        while pending:
+            done, _ = await asyncio.wait(pending, timeout=max(0.0, deadline - time.monotonic()),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                raise TimeoutError(f"no READY from engine(s) {sorted(pending.values())} within "
+                                   "the startup timeout")
+            for future in done:
+                rank = pending.pop(future)
+                if (error := future.exception()) is not None:
+                    for other in pending:
+                        other.cancel()
+                    raise RuntimeError(f"engine core {rank} (Ray actor on node "
+                                       f"{self.node_ids[rank][:8]}) failed to start: "
+                                       f"{_cause(error)}") from None
+                num_blocks[rank] = future.result()
+        return num_blocks
+
+    def run(self) -> list[asyncio.Future]:
+        """Start every busy loop; the futures end when the actors do."""
+        return [asyncio.wrap_future(actor.run.remote().future()) for actor in self.actors]
+
+    def terminate(self) -> None:
+        """Kill every actor (a rank cannot go on without its peers)."""
+        for actor in self.actors:
+            ray.kill(actor)
+
+    def close(self) -> None:
+        """Kill the actors, remove the placement groups, and leave the cluster as found."""
+        self.terminate()
+        for pg in self.placement_groups:
+            remove_placement_group(pg)
+        if self.owns_ray:
+            ray.shutdown()
+
+
+class RayDPLBAsyncMPClient(DPLBAsyncMPClient):
+    """DPLBAsyncMPClient whose engines are Ray actors: placed before the sockets are bound (their
+    address depends on where the ranks run), started without the ZMQ handshake, watched through
+    their run() instead of process sentinels."""
+
+    async def start(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        self.manager = await asyncio.to_thread(CoreEngineActorManager, self.config)
+        self.config = await asyncio.to_thread(self.manager.place, deadline)
+        await super().start(max(0.0, deadline - time.monotonic()))
+
+    async def _launch_engines(self, addresses: dict[str, str], deadline: float) -> dict[int, int]:
+        self.manager.start_actors(addresses)
+        num_blocks = await self.manager.wait_for_init(deadline)
+        for rank, future in enumerate(self.manager.run()):
+            future.add_done_callback(lambda f, rank=rank: self._on_actor_exit(rank, f))
+        return num_blocks
+
+    def _on_actor_exit(self, rank: int, future: asyncio.Future) -> None:
+        error = None if future.cancelled() else future.exception()
+        how = f"died: {_cause(error)}" if error is not None else "exited"
+        self.set_dead(f"engine core {rank}'s Ray actor {how}")
+
+
+def _cluster_gpus() -> float:
+    return ray.cluster_resources().get("GPU", 0.0)
+
+
+def _slots(resources: dict, bundle: dict) -> int:
+    return min(math.floor(resources.get(key, 0.0) / need) for key, need in bundle.items())
+
+
+def _describe(resources_by_node: dict, here: str) -> str:
+    """Each node's CPU and GPU, this one marked."""
+    return "; ".join(
+        f"node {node_id[:8]}{' (this one)' if node_id == here else ''}: "
+        + str({k: v for k, v in resources.items() if k in ("CPU", "GPU")})
+        for node_id, resources in resources_by_node.items())
+
+
+def _cause(error: BaseException) -> str:
+    """The engine's own exception inside Ray's wrapper, as one line."""
+    cause = getattr(error, "cause", None) or error
+    return str(cause).strip().splitlines()[-1] if str(cause).strip() else type(cause).__name__

@@ -1,0 +1,209 @@
+"""Data parallel on Ray (--data-parallel-backend ray), on a two-node Ray cluster made here.
+
+The cluster (ray.cluster_utils.Cluster) has a head node and a second node of one CPU each, told
+apart by the custom resources "head" and "node2"; the server connects to it through RAY_ADDRESS.
+A server started on the head node with --data-parallel-size-local 1 must put rank 0 there and
+rank 1 on the second node. Checked through Ray's state API (ray.util.state), as an operator would:
+- DP=2 on the real default model gives the single engine's greedy text, both ranks serve, waves
+  end and restart;
+- a rank's actor killed: /health 503 within 5 s, streams end, and SIGTERM stops the server;
+- after the server stops (after a kill, and after a plain SIGTERM), none of its actors is alive
+  and none of its placement groups is left;
+- a cluster too small is refused at once, naming what each rank needs and what the nodes have.
+"""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from dp_helpers import free_port_pair
+from ray.cluster_utils import Cluster
+from ray.util.state import list_actors, list_nodes, list_placement_groups
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))
+from server_helpers import ServerProcess
+
+from minicore.llm import LLM
+from minicore.sampling_params import SamplingParams
+
+MAX_MODEL_LEN = 512
+SMALL = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", str(64 << 20)]
+PROMPTS = ["The capital of France is", "Write one sentence about Japan:",
+           "A famous dish from Brazil is", "Three facts about Kenya:\n1.",
+           "The flag of Canada has the colours", "Q: What language is spoken in Peru?\nA:"]
+MAX_TOKENS = 10
+FAIL_FAST_S = 5
+EXIT_TIMEOUT_S = 20
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two Ray nodes of one CPU each on this machine, the head with the dashboard (the state
+    API's server)."""
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "resources": {"head": 1}, "include_dashboard": True})
+    cluster.add_node(num_cpus=1, resources={"node2": 1})
+    cluster.wait_for_nodes()
+    yield cluster
+    cluster.shutdown()
+
+
+class RayServer(ServerProcess):
+    """`serve --data-parallel-backend ray` against the test cluster."""
+
+    def __init__(self, cluster, *args: str):
+        super().__init__("--data-parallel-size", "2", "--data-parallel-backend", "ray",
+                         "--data-parallel-size-local", "1",
+                         "--data-parallel-rpc-port", str(free_port_pair()), *SMALL, *args)
+        self.cluster = cluster
+
+    def __enter__(self):
+        os.environ["RAY_ADDRESS"] = self.cluster.address
+        try:
+            return super().__enter__()
+        finally:
+            del os.environ["RAY_ADDRESS"]
+
+    def stop(self) -> int:
+        """SIGTERM; the exit status, which must come within EXIT_TIMEOUT_S."""
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(EXIT_TIMEOUT_S)
+
+
+def _state(fn, cluster, **kwargs):
+    return fn(address=cluster.address, raise_on_missing_output=False, **kwargs)
+
+
+def engine_actors(cluster) -> dict[str, object]:
+    """The live engine actors, by name (EngineCore_DP<rank>)."""
+    return {a.name: a for a in _state(list_actors, cluster, filters=[("state", "=", "ALIVE")])
+            if a.class_name == "DPEngineCoreActor"}
+
+
+def node_with(cluster, resource: str) -> str:
+    (node,) = [n.node_id for n in _state(list_nodes, cluster, detail=True)
+               if resource in n.resources_total]
+    return node
+
+
+def assert_cluster_as_found(cluster) -> None:
+    """None of the server's actors alive, none of its placement groups left."""
+    deadline = time.monotonic() + 10
+    while True:
+        actors = engine_actors(cluster)
+        groups = [g for g in _state(list_placement_groups, cluster) if g.state != "REMOVED"]
+        if not actors and not groups:
+            return
+        assert time.monotonic() < deadline, f"left on the cluster: {actors} {groups}"
+        time.sleep(0.25)
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model_and_tokenizer):
+    model, tokenizer = hf_model_and_tokenizer
+    llm = LLM(model, tokenizer=tokenizer, max_model_len=MAX_MODEL_LEN, kv_cache_memory=64 << 20)
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0),
+                           use_tqdm=False)
+    return {o.prompt: o.outputs[0].text for o in outputs}
+
+
+async def _complete(http: httpx.AsyncClient, prompt: str, **headers) -> str:
+    response = await http.post("/v1/completions", headers=headers, json={
+        "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+async def _successes(http: httpx.AsyncClient) -> dict[str, float]:
+    text = (await http.get("/metrics")).text
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:request_success_total{"):
+            engine = line.split('engine="')[1].split('"')[0]
+            counts[engine] = counts.get(engine, 0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+@pytest.mark.model
+async def test_ray_dp2_matches_one_engine_placed_as_asked_and_leaves_nothing(cluster, reference):
+    with RayServer(cluster) as server:
+        actors = engine_actors(cluster)
+        assert sorted(actors) == ["EngineCore_DP0", "EngineCore_DP1"]
+        assert actors["EngineCore_DP0"].node_id == node_with(cluster, "head")
+        assert actors["EngineCore_DP1"].node_id == node_with(cluster, "node2")
+        groups = _state(list_placement_groups, cluster, filters=[("state", "=", "CREATED")])
+        assert sorted(g.name for g in groups) == ["dp_rank_0", "dp_rank_1"]
+
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http, \
+                asyncio.timeout(240):
+            texts = await asyncio.gather(*(_complete(http, p) for p in PROMPTS))
+            assert dict(zip(PROMPTS, texts)) == reference
+            # Both ranks served (the least loaded takes each) and report their own metrics.
+            served = await _successes(http)
+            assert served.get("0", 0) > 0 and served.get("1", 0) > 0, served
+            # A rank asked for by header; a later burst after the wave ended wakes both.
+            await asyncio.sleep(1)
+            assert await _complete(http, PROMPTS[0], **{"X-data-parallel-rank": "1"}) == \
+                reference[PROMPTS[0]]
+            assert (await _successes(http))["1"] == served["1"] + 1
+        assert server.stop() == 0
+    assert_cluster_as_found(cluster)
+
+
+@pytest.mark.model
+async def test_ray_killed_actor_gives_503_fast_and_a_clean_shutdown(cluster):
+    with RayServer(cluster) as server:
+        rank1 = engine_actors(cluster)["EngineCore_DP1"]
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            stream = asyncio.create_task(http.post("/v1/completions", json={
+                "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True,
+                "temperature": 0}, headers={"X-data-parallel-rank": "1"}))
+            await asyncio.sleep(1.0)
+            os.kill(rank1.pid, signal.SIGKILL)  # the actor's worker process, on the second node
+            killed = time.monotonic()
+            while (await http.get("/health")).status_code != 503:
+                assert time.monotonic() - killed < FAIL_FAST_S, "/health still 200"
+                await asyncio.sleep(0.1)
+            response = await asyncio.wait_for(stream, FAIL_FAST_S)
+            assert response.status_code >= 500, response.text
+            assert (await http.post("/v1/completions", json={
+                "prompt": "hi", "max_tokens": 2})).status_code == 503
+        assert server.stop() == 0
+        assert "Traceback" not in server.log()[-2000:], server.log()
+    assert_cluster_as_found(cluster)
+
+
+def test_ray_cluster_too_small_is_refused_at_once(cluster):
+    """Three ranks of one CPU each on a cluster of two CPUs: an error naming both, not a wait."""
+    env = {**os.environ, "RAY_ADDRESS": cluster.address}
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "minicore", "serve", "--runner", "simulated",
+         "--data-parallel-size", "3", "--data-parallel-backend", "ray",
+         "--data-parallel-size-local", "1", "--data-parallel-rpc-port", str(free_port_pair())],
+        env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert time.monotonic() - started < 60
+    assert "cannot hold 3 DP ranks, each needing {'CPU': 1.0}" in result.stderr, result.stderr
+    assert "{'CPU': 1.0}" in result.stderr.split("its nodes have")[1]
+    assert_cluster_as_found(cluster)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data-parallel-backend", "ray"], "needs --data-parallel-size >= 2"),
+    (["--data-parallel-size", "2", "--data-parallel-backend", "ray",
+      "--data-parallel-size-local", "0"], "at least rank 0"),
+    (["--headless", "--data-parallel-size", "2", "--data-parallel-backend", "ray"],
+     "ray start --address"),
+])
+def test_ray_backend_refuses_what_it_cannot_run(args, message):
+    result = subprocess.run([sys.executable, "-m", "minicore", "serve", "--runner", "simulated",
+                             *args], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr[-2000:]
