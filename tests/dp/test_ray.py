@@ -9,6 +9,9 @@ rank 1 on the second node. Checked through Ray's state API (ray.util.state), as 
 - a rank's actor killed: /health 503 within 5 s, streams end, and SIGTERM stops the server;
 - after the server stops (after a kill, and after a plain SIGTERM), none of its actors is alive
   and none of its placement groups is left;
+- expert parallelism and the balance gate across the two nodes (in process, through AsyncLLM):
+  a tiny MoE model's greedy tokens equal one engine's, the ranks' forwards meeting in every MoE
+  layer (dummy ones included), and the wave ends;
 - a cluster too small is refused at once, naming what each rank needs and what the nodes have.
 """
 
@@ -22,13 +25,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from dp_helpers import free_port_pair
+from dp_helpers import assert_all_engines_idle, dp_client, free_port_pair, wait_idle
 from ray.cluster_utils import Cluster
 from ray.util.state import list_actors, list_nodes, list_placement_groups
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))
 from server_helpers import ServerProcess
 
+from minicore.config import create_engine_config
 from minicore.llm import LLM
 from minicore.sampling_params import SamplingParams
 
@@ -176,6 +180,43 @@ async def test_ray_killed_actor_gives_503_fast_and_a_clean_shutdown(cluster):
                 "prompt": "hi", "max_tokens": 2})).status_code == 503
         assert server.stop() == 0
         assert "Traceback" not in server.log()[-2000:], server.log()
+    assert_cluster_as_found(cluster)
+
+
+async def test_ray_expert_parallel_with_the_balance_gate_gives_one_engines_tokens(
+        cluster, moe_model_dir, monkeypatch):
+    model_dir = moe_model_dir("qwen3_moe")
+    engine_args = dict(max_model_len=256, kv_cache_memory=16 << 20)
+    # Rank 0 gets three requests of different lengths (full at max_num_seqs 3: the gate closes on
+    # both ranks), rank 1 one, shorter: it runs dummy forwards before and after it.
+    plan = [(0, 23, 24), (0, 5, 32), (0, 11, 16), (1, 9, 8)]
+    reference_llm = LLM(model_dir, **engine_args)
+    vocab_size = reference_llm.llm_engine.model_runner.vocab_size
+    prompts = [[(7 * i + 3 * j) % (vocab_size - 3) + 3 for j in range(length)]
+               for i, (_, length, _) in enumerate(plan)]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for *_, n in plan]
+    reference = [o.outputs[0].token_ids
+                 for o in reference_llm.generate(prompts, params, use_tqdm=False)]
+    del reference_llm
+
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    config = create_engine_config(
+        model=model_dir, data_parallel_size=2, data_parallel_backend="ray",
+        data_parallel_size_local=1, data_parallel_rpc_port=free_port_pair(),
+        enable_expert_parallel=True, balance_scheduling=True, max_num_seqs=3, **engine_args)
+
+    async def run(client, i):
+        outputs = [o async for o in client.generate(prompts[i], params[i], f"req-{i}",
+                                                    data_parallel_rank=plan[i][0])]
+        return outputs[-1].outputs[0].token_ids
+
+    async with dp_client(config) as client:
+        assert sorted(engine_actors(cluster)) == ["EngineCore_DP0", "EngineCore_DP1"]
+        got = await asyncio.wait_for(
+            asyncio.gather(*(run(client, i) for i in range(len(plan)))), 120)
+        await wait_idle(client)
+        await assert_all_engines_idle(client)
+    assert got == reference
     assert_cluster_as_found(cluster)
 
 
