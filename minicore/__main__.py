@@ -7,6 +7,7 @@ import argparse
 import os
 import re
 import sys
+from importlib.util import find_spec
 
 from minicore.arg_utils import human_readable_int
 from minicore.config import create_engine_config
@@ -127,6 +128,8 @@ def _serve(args: argparse.Namespace) -> None:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     config = create_engine_config(**engine_kwargs_from_cli(args))
     check_local_paths(config)
+    if config.parallel_config.data_parallel_backend == "ray" and not find_spec("ray"):
+        raise ValueError("--data-parallel-backend ray needs Ray: pip install 'minicore[ray]'")
 
     import uvloop
 

@@ -18,8 +18,12 @@ import math
 import os
 import time
 
-import ray
 import uvloop
+
+try:
+    import ray
+except ImportError as e:  # the optional extra
+    raise ImportError("--data-parallel-backend ray needs Ray: pip install 'minicore[ray]'") from e
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

@@ -248,3 +248,13 @@ def test_ray_backend_refuses_what_it_cannot_run(args, message):
                              *args], capture_output=True, text=True, timeout=60)
     assert result.returncode != 0
     assert message in result.stderr, result.stderr[-2000:]
+
+
+def test_ray_backend_without_ray_installed_says_how_to_get_it():
+    hide_ray = ("import sys; sys.modules['ray'] = None; from minicore.__main__ import main; "
+                "main(['serve', '--runner', 'simulated', '--data-parallel-size', '2', "
+                "'--data-parallel-backend', 'ray'])")
+    result = subprocess.run([sys.executable, "-c", hide_ray], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 1
+    assert "needs Ray: pip install 'minicore[ray]'" in result.stderr, result.stderr[-2000:]
