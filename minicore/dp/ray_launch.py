@@ -35,8 +35,9 @@ from minicore.engine.launch import configure_engine_process, log_engine_config, 
 logger = logging.getLogger(__name__)
 
 # How long the ranks' placement groups may wait for resources the cluster has but are in use
-# (resources it does not have at all are refused at once).
-PLACEMENT_TIMEOUT_S = 60.0
+# (resources it does not have at all are refused at once); read at each start.
+PLACEMENT_TIMEOUT_ENV = "MINICORE_RAY_PLACEMENT_TIMEOUT_S"
+DEFAULT_PLACEMENT_TIMEOUT_S = 60.0
 # The engines' settings that travel to actors on other nodes, whose environment is the one their
 # `ray start` had.
 FORWARDED_ENV_PREFIXES = ("MINICORE_", "VLLM_", "HF_", "TRANSFORMERS_")
@@ -130,14 +131,16 @@ class CoreEngineActorManager:
                 [self.bundle], strategy="STRICT_PACK", name=f"dp_rank_{rank}",
                 bundle_label_selector=[{"ray.io/node-id": self.here}] if local else None))
         ready = [pg.ready() for pg in self.placement_groups]
-        timeout = max(0.0, min(PLACEMENT_TIMEOUT_S, deadline - time.monotonic()))
+        limit = float(os.environ.get(PLACEMENT_TIMEOUT_ENV, DEFAULT_PLACEMENT_TIMEOUT_S))
+        timeout = max(0.0, min(limit, deadline - time.monotonic()))
         done, _ = ray.wait(ready, num_returns=len(ready), timeout=timeout)
         if len(done) < len(ready):
             missing = [rank for rank, ref in enumerate(ready) if ref not in done]
             raise TimeoutError(
-                f"Ray could not place DP rank(s) {missing} within {timeout:g} s: each needs "
-                f"{self.bundle}{self._local_note(missing)}; available now: "
-                f"{_describe(ray.available_resources_per_node(), self.here)}")
+                f"Ray could not place DP rank(s) {missing} within {timeout:g} s "
+                f"({PLACEMENT_TIMEOUT_ENV}): each needs {self.bundle}"
+                f"{self._local_note(missing)}; available now in the cluster: "
+                f"{ {key: ray.available_resources().get(key, 0.0) for key in self.bundle} }")
         self.node_ids = [ray.util.placement_group_table(pg)["bundles_to_node_id"][0]
                          for pg in self.placement_groups]
         address = pc.data_parallel_address or (
@@ -160,7 +163,7 @@ class CoreEngineActorManager:
         raise ValueError(
             f"the Ray cluster cannot hold {pc.data_parallel_size} DP ranks, each needing "
             f"{self.bundle}{self._local_note(range(local))}; its nodes have "
-            f"{_describe(totals, self.here)}")
+            f"{_describe(totals, self.here, self.bundle)}")
 
     def _local_note(self, ranks) -> str:
         local = [r for r in ranks if r < self.config.parallel_config.data_parallel_size_local]
@@ -259,11 +262,11 @@ def _slots(resources: dict, bundle: dict) -> int:
     return min(math.floor(resources.get(key, 0.0) / need) for key, need in bundle.items())
 
 
-def _describe(resources_by_node: dict, here: str) -> str:
-    """Each node's CPU and GPU, this one marked."""
+def _describe(resources_by_node: dict, here: str, bundle: dict) -> str:
+    """Each node's amount of what a rank needs, this node marked."""
     return "; ".join(
         f"node {node_id[:8]}{' (this one)' if node_id == here else ''}: "
-        + str({k: v for k, v in resources.items() if k in ("CPU", "GPU")})
+        + str({key: resources.get(key, 0.0) for key in bundle})
         for node_id, resources in resources_by_node.items())
 
 

@@ -189,6 +189,7 @@ def log_engine_config(config: EngineConfig, runner) -> None:
 
 
 def configure_engine_process(config: EngineConfig, engine_index: int) -> None:
+    """Logging and torch threads of an engine process (spawned here, or a Ray actor's)."""
     configure_logging(f"EngineCore_DP{engine_index}")  # vLLM's name for an engine process
     if not runner_info(config.model_config.runner).needs_weights:
         return  # no torch to configure

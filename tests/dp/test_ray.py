@@ -12,7 +12,8 @@ rank 1 on the second node. Checked through Ray's state API (ray.util.state), as 
 - expert parallelism and the balance gate across the two nodes (in process, through AsyncLLM):
   a tiny MoE model's greedy tokens equal one engine's, the ranks' forwards meeting in every MoE
   layer (dummy ones included), and the wave ends;
-- a cluster too small is refused at once, naming what each rank needs and what the nodes have.
+- a cluster too small is refused at once, naming what each rank needs and what the nodes have;
+  one whose resources are taken, after a bounded wait, naming the rank and what is free.
 """
 
 import asyncio
@@ -25,9 +26,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+import ray
 from dp_helpers import assert_all_engines_idle, dp_client, free_port_pair, wait_idle
 from ray.cluster_utils import Cluster
+from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.state import list_actors, list_nodes, list_placement_groups
+
+# The mp backend's end-to-end test's prompts, helpers and single-engine reference (a fixture).
+from test_dp_server import PROMPTS, SMALL, _complete, _metrics, _successes, reference  # noqa: F401
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))
 from server_helpers import ServerProcess
@@ -36,12 +42,6 @@ from minicore.config import create_engine_config
 from minicore.llm import LLM
 from minicore.sampling_params import SamplingParams
 
-MAX_MODEL_LEN = 512
-SMALL = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", str(64 << 20)]
-PROMPTS = ["The capital of France is", "Write one sentence about Japan:",
-           "A famous dish from Brazil is", "Three facts about Kenya:\n1.",
-           "The flag of Canada has the colours", "Q: What language is spoken in Peru?\nA:"]
-MAX_TOKENS = 10
 FAIL_FAST_S = 5
 EXIT_TIMEOUT_S = 20
 
@@ -108,34 +108,9 @@ def assert_cluster_as_found(cluster) -> None:
         time.sleep(0.25)
 
 
-@pytest.fixture(scope="module")
-def reference(hf_model_and_tokenizer):
-    model, tokenizer = hf_model_and_tokenizer
-    llm = LLM(model, tokenizer=tokenizer, max_model_len=MAX_MODEL_LEN, kv_cache_memory=64 << 20)
-    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0),
-                           use_tqdm=False)
-    return {o.prompt: o.outputs[0].text for o in outputs}
-
-
-async def _complete(http: httpx.AsyncClient, prompt: str, **headers) -> str:
-    response = await http.post("/v1/completions", headers=headers, json={
-        "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
-    assert response.status_code == 200, response.text
-    return response.json()["choices"][0]["text"]
-
-
-async def _successes(http: httpx.AsyncClient) -> dict[str, float]:
-    text = (await http.get("/metrics")).text
-    counts = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:request_success_total{"):
-            engine = line.split('engine="')[1].split('"')[0]
-            counts[engine] = counts.get(engine, 0) + float(line.rsplit(" ", 1)[1])
-    return counts
-
-
 @pytest.mark.model
-async def test_ray_dp2_matches_one_engine_placed_as_asked_and_leaves_nothing(cluster, reference):
+async def test_ray_dp2_matches_one_engine_placed_as_asked_and_leaves_nothing(
+        cluster, reference):  # noqa: F811 (the fixture imported above)
     with RayServer(cluster) as server:
         actors = engine_actors(cluster)
         assert sorted(actors) == ["EngineCore_DP0", "EngineCore_DP1"]
@@ -146,16 +121,17 @@ async def test_ray_dp2_matches_one_engine_placed_as_asked_and_leaves_nothing(clu
 
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as http, \
                 asyncio.timeout(240):
-            texts = await asyncio.gather(*(_complete(http, p) for p in PROMPTS))
-            assert dict(zip(PROMPTS, texts)) == reference
+            choices = await asyncio.gather(*(_complete(http, p) for p in PROMPTS))
+            assert {p: (c["text"], c["finish_reason"]) for p, c in zip(PROMPTS, choices)} == \
+                reference
             # Both ranks served (the least loaded takes each) and report their own metrics.
-            served = await _successes(http)
-            assert served.get("0", 0) > 0 and served.get("1", 0) > 0, served
-            # A rank asked for by header; a later burst after the wave ended wakes both.
+            before = await _metrics(http)
+            assert _successes(before, "0") > 0 and _successes(before, "1") > 0
+            # A rank asked for by header, after the wave ended: both ranks wake again.
             await asyncio.sleep(1)
-            assert await _complete(http, PROMPTS[0], **{"X-data-parallel-rank": "1"}) == \
-                reference[PROMPTS[0]]
-            assert (await _successes(http))["1"] == served["1"] + 1
+            choice = await _complete(http, PROMPTS[0], **{"X-data-parallel-rank": "1"})
+            assert (choice["text"], choice["finish_reason"]) == reference[PROMPTS[0]]
+            assert _successes(await _metrics(http), "1") == _successes(before, "1") + 1
         assert server.stop() == 0
     assert_cluster_as_found(cluster)
 
@@ -195,8 +171,8 @@ async def test_ray_expert_parallel_with_the_balance_gate_gives_one_engines_token
     prompts = [[(7 * i + 3 * j) % (vocab_size - 3) + 3 for j in range(length)]
                for i, (_, length, _) in enumerate(plan)]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for *_, n in plan]
-    reference = [o.outputs[0].token_ids
-                 for o in reference_llm.generate(prompts, params, use_tqdm=False)]
+    expected = [o.outputs[0].token_ids
+                for o in reference_llm.generate(prompts, params, use_tqdm=False)]
     del reference_llm
 
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)
@@ -216,7 +192,7 @@ async def test_ray_expert_parallel_with_the_balance_gate_gives_one_engines_token
             asyncio.gather(*(run(client, i) for i in range(len(plan)))), 120)
         await wait_idle(client)
         await assert_all_engines_idle(client)
-    assert got == reference
+    assert got == expected
     assert_cluster_as_found(cluster)
 
 
@@ -233,6 +209,29 @@ def test_ray_cluster_too_small_is_refused_at_once(cluster):
     assert time.monotonic() - started < 60
     assert "cannot hold 3 DP ranks, each needing {'CPU': 1.0}" in result.stderr, result.stderr
     assert "{'CPU': 1.0}" in result.stderr.split("its nodes have")[1]
+    assert_cluster_as_found(cluster)
+
+
+def test_ray_ranks_waiting_for_taken_resources_fail_after_the_bound(cluster):
+    """The second node's CPU held by another job: rank 1 fits the cluster but not now, so the
+    server waits MINICORE_RAY_PLACEMENT_TIMEOUT_S, then fails naming the rank and what is free."""
+    ray.init(address=cluster.address)
+    try:
+        holder = placement_group([{"CPU": 1.0, "node2": 1.0}], strategy="STRICT_PACK")
+        ray.get(holder.ready(), timeout=30)
+        env = {**os.environ, "RAY_ADDRESS": cluster.address,
+               "MINICORE_RAY_PLACEMENT_TIMEOUT_S": "3"}
+        result = subprocess.run(
+            [sys.executable, "-m", "minicore", "serve", "--runner", "simulated",
+             "--data-parallel-size", "2", "--data-parallel-backend", "ray",
+             "--data-parallel-size-local", "1", "--data-parallel-rpc-port",
+             str(free_port_pair())], env=env, capture_output=True, text=True, timeout=120)
+        remove_placement_group(holder)
+    finally:
+        ray.shutdown()
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Ray could not place DP rank(s) [1] within 3 s" in result.stderr, result.stderr
+    assert "available now in the cluster: {'CPU': 0.0}" in result.stderr, result.stderr
     assert_cluster_as_found(cluster)
 
 
