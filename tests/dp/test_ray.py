@@ -61,10 +61,10 @@ def cluster():
 class RayServer(ServerProcess):
     """`serve --data-parallel-backend ray` against the test cluster."""
 
-    def __init__(self, cluster, *args: str):
+    def __init__(self, cluster):
         super().__init__("--data-parallel-size", "2", "--data-parallel-backend", "ray",
                          "--data-parallel-size-local", "1",
-                         "--data-parallel-rpc-port", str(free_port_pair()), *SMALL, *args)
+                         "--data-parallel-rpc-port", str(free_port_pair()), *SMALL)
         self.cluster = cluster
 
     def __enter__(self):
