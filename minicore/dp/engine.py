@@ -45,7 +45,7 @@ class DPEngineCoreProc(EngineCoreProc):
         self.current_wave = 0
         # True from a wave's first request (or START_DP_WAVE) to the sync that ends it.
         self.engines_running = False
-        self.dp_rank = engine_index
+        self.dp_rank = config.parallel_config.data_parallel_rank = engine_index  # its own copy
         self.balance = config.scheduler_config.balance_scheduling
         self.count_sync = config.scheduler_config.balance_count_sync
         self.dp_group: DPGroup | None = None

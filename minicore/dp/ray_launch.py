@@ -71,7 +71,6 @@ class DPEngineCoreActor:
             mc = config.model_config
             config = resolve_model(dataclasses.replace(
                 config, model_config=dataclasses.replace(mc, model=mc.model_source)))
-            config.parallel_config.data_parallel_rank = rank
             self.engine_core = RayDPEngineCoreProc(config, addresses, rank)
             log_engine_config(self.engine_core.config, self.engine_core.model_runner)
         except Exception as e:  # raised to the frontend by wait_for_init, whole
@@ -108,7 +107,8 @@ class CoreEngineActorManager:
         self.placement_groups = []
         self.actors = []
         self.here = ray.get_runtime_context().get_node_id()
-        device = config.model_config.device or ("cuda" if _cluster_gpus() else "cpu")
+        gpus = ray.cluster_resources().get("GPU", 0.0)
+        device = config.model_config.device or ("cuda" if gpus else "cpu")
         # One CPU for the engine process, and its GPU on CUDA (vLLM's bundles).
         self.bundle = {"CPU": 1.0} if device.startswith("cpu") else {"CPU": 1.0, "GPU": 1.0}
 
@@ -254,10 +254,6 @@ class RayDPLBAsyncMPClient(DPLBAsyncMPClient):
         self.set_dead(f"engine core {rank}'s Ray actor {how}")
 
 
-def _cluster_gpus() -> float:
-    return ray.cluster_resources().get("GPU", 0.0)
-
-
 def _slots(resources: dict, bundle: dict) -> int:
     return min(math.floor(resources.get(key, 0.0) / need) for key, need in bundle.items())
 
@@ -272,5 +268,5 @@ def _describe(resources_by_node: dict, here: str, bundle: dict) -> str:
 
 def _cause(error: BaseException) -> str:
     """The engine's own exception inside Ray's wrapper, as one line."""
-    cause = getattr(error, "cause", None) or error
-    return str(cause).strip().splitlines()[-1] if str(cause).strip() else type(cause).__name__
+    text = str(getattr(error, "cause", None) or error).strip()
+    return text.splitlines()[-1] if text else type(error).__name__

@@ -109,8 +109,6 @@ def run_engine_core(config: EngineConfig, handshake_address: str, engine_index: 
             # Imported here: a single engine needs neither the DP group nor torch.distributed.
             from minicore.dp.engine import DPEngineCoreProc
 
-            # The one place a rank is written into its config: each process has its own copy.
-            config.parallel_config.data_parallel_rank = engine_index
             engine_core_cls = DPEngineCoreProc
         try:
             engine_core = engine_core_cls(config, handshake_address, engine_index,
