@@ -9,3 +9,28 @@ def hf_model_and_tokenizer():
 
     return load_model(dtype="float32", device="cpu")
 
+
+
+# The three kinds of machine the suite runs on, as their `lscpu` flags show them (abridged), and what
+# --dtype auto takes on each.
+CPU_KINDS = {
+    "avx2": ("fpu sse2 avx avx2 fma f16c", "float32"),
+    "avx512_bf16": ("fpu sse2 avx avx2 fma avx512f avx512bw avx512vl avx512_bf16", "bfloat16"),
+    "amx": ("fpu sse2 avx avx2 fma avx512f avx512bw avx512_bf16 amx_tile amx_bf16 amx_int8",
+            "bfloat16"),
+}
+
+
+@pytest.fixture(params=sorted(CPU_KINDS))
+def cpu_kind(request, monkeypatch):
+    """Plays each machine kind through the one seam minicore reads the CPU's flags from
+    (MINICORE_CPU_FLAGS, which engine processes inherit); yields the dtype auto must choose."""
+    from minicore.model import loader
+
+    flags, auto_dtype = CPU_KINDS[request.param]
+    monkeypatch.setenv("MINICORE_CPU_FLAGS", flags)
+    loader.cpu_flags.cache_clear()
+    loader.resolve_auto_dtype.cache_clear()
+    yield auto_dtype
+    loader.cpu_flags.cache_clear()
+    loader.resolve_auto_dtype.cache_clear()

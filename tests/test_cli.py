@@ -200,14 +200,23 @@ def test_human_readable_int_refuses_decimals_with_binary_suffixes(capsys):
 
 
 @pytest.mark.parametrize("dtype, expected", [
-    ("auto", "float32"), ("float", "float32"), ("half", "float16"), ("bfloat16", "bfloat16")])
-def test_dtype_auto_and_vllms_aliases_resolve_on_cpu(dtype, expected):
+    ("float", "float32"), ("half", "float16"), ("bfloat16", "bfloat16")])
+def test_vllms_dtype_aliases_resolve_on_cpu(dtype, expected):
     import torch
 
     from minicore.model.loader import _resolve_dtype
 
     assert engine_config(["serve", "--dtype", dtype]).model_config.dtype == dtype
     assert _resolve_dtype(dtype, torch.device("cpu")) == getattr(torch, expected)
+
+
+def test_dtype_auto_resolves_by_the_machine_kind_on_cpu_and_to_bfloat16_on_cuda(cpu_kind):
+    import torch
+
+    from minicore.model.loader import _resolve_dtype
+
+    assert engine_config(["serve", "--dtype", "auto"]).model_config.dtype == "auto"
+    assert _resolve_dtype("auto", torch.device("cpu")) == getattr(torch, cpu_kind)
     assert _resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
 
 

@@ -306,7 +306,12 @@ def native_bf16_flags() -> list[str]:
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none, as on macOS)."""
+    """The CPU's feature flags: ``MINICORE_CPU_FLAGS`` (space-separated) where set, else
+    /proc/cpuinfo's (empty where there is none, as on macOS). The variable is the one seam through
+    which the tests play each machine kind (AVX2 only, AVX512-BF16, AMX) on whichever they run on,
+    engine processes included."""
+    if (flags := os.environ.get("MINICORE_CPU_FLAGS")) is not None:
+        return frozenset(flags.split())
     try:
         with open("/proc/cpuinfo") as f:
             line = next((line for line in f if line.startswith("flags")), "")

@@ -49,7 +49,8 @@ ABORTED_MAX_TOKENS = 1000
 # (DP size, balance scheduling): the cases whose last rank gets no request in the whole trace.
 SILENT_LAST_RANK = {(2, True), (3, False)}
 # The expert-parallel cases: room for an aborted request's ABORTED_MAX_TOKENS.
-EP_ENGINE_ARGS = dict(max_model_len=1200, kv_cache_memory=64 << 20)
+# float32: exact tokens across layouts hold bit for bit only there.
+EP_ENGINE_ARGS = dict(dtype="float32", max_model_len=1200, kv_cache_memory=64 << 20)
 # client.abort mid-stream; the consumer closes the stream mid-stream; client.abort right after the
 # request is sent (the engine likely takes the ADD and the ABORT in one go: woken, nothing to run).
 ABORT_KINDS = ("abort", "close", "early")
