@@ -27,11 +27,12 @@ import zmq
 import zmq.asyncio
 
 from minicore.config import EngineConfig
+from minicore.dp.fingerprint import check_dp_ranks_agree
 from minicore.dp.group import DPGroup
 from minicore.dp.wave import is_sync_step, runs_dummy_batch
 from minicore.engine.core_proc import HANDSHAKE_TIMEOUT_S, EngineCoreProc
 from minicore.model.expert_parallel import make_expert_sharder
-from minicore.model.registry import MODEL_RUNNERS, runner_info
+from minicore.model.registry import runner_info
 from minicore.protocol import EngineCoreRequestType
 
 logger = logging.getLogger(__name__)
@@ -61,14 +62,8 @@ class DPEngineCoreProc(EngineCoreProc):
         pc = config.parallel_config
         self.dp_group = DPGroup(self.dp_rank, pc.data_parallel_size, pc.data_parallel_address,
                                 pc.data_parallel_rpc_port, timeout_s=HANDSHAKE_TIMEOUT_S)
-        runners = list(MODEL_RUNNERS)
-        self.dp_group.check_same_config({
-            "--balance-scheduling": int(self.balance),
-            f"--runner ({', '.join(f'{i} = {name}' for i, name in enumerate(runners))})":
-                runners.index(config.model_config.runner),
-            "--balance-count-sync all-reduce-max": int(self.count_sync == "all-reduce-max"),
-            "--enable-expert-parallel": int(config.parallel_config.enable_expert_parallel),
-        })
+        # First thing together: ranks that differ would hang, or garble, what follows.
+        check_dp_ranks_agree(config, self.dp_group.all_gather_json)
         self._prepare_model = make_expert_sharder(
             config, self.dp_group.new_expert_parallel_group, self.dp_rank)
 

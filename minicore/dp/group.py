@@ -13,16 +13,19 @@ per engine process. The collectives are the only way ranks talk during a wave:
   max_step_time               all-reduce (MAX) of a simulated step's time (the lockstep that a
                               simulated model has no all-to-all for)
 
-Each is a coroutine: the blocking call runs on one dedicated thread while the event loop keeps
-socket IO flowing, and the busy loop awaits each before it issues the next (minicore/dp/engine.py
-states their order). A dead peer fails the pending collective within a second or so; a hung one
-after timeout_s. The group is built by hand, so that every socket binds the DP address only
-(minicore/dp/process_groups.py). With expert parallelism the same ranks form a second group for
-the model's own collectives (new_expert_parallel_group). Left out: NCCL for the DP loop's own
-collectives (tiny; gloo runs everywhere).
+At startup, before any of them, all_gather_json brings every rank's engine fingerprint to every
+rank (minicore/dp/fingerprint.py). Each loop collective is a coroutine: the blocking call runs on
+one dedicated thread while the event loop keeps socket IO flowing, and the busy loop awaits each
+before it issues the next (minicore/dp/engine.py states their order). A dead peer fails the
+pending collective within a second or so; a hung one after timeout_s. The group is built by hand,
+so that every socket binds the DP address only (minicore/dp/process_groups.py). With expert
+parallelism the same ranks form a second group for the model's own collectives
+(new_expert_parallel_group). Left out: NCCL for the DP loop's own collectives (tiny; gloo runs
+everywhere).
 """
 
 import asyncio
+import json
 import queue
 import threading
 from datetime import timedelta
@@ -64,16 +67,15 @@ class DPGroup:
                                         daemon=True)
         self._thread.start()
 
-    def check_same_config(self, values: dict[str, int]) -> None:
-        """At startup, before any loop runs: all-gather settings that change which collectives a
-        rank issues; a RuntimeError names the first that differs between ranks (a mismatch would
-        otherwise be a hang)."""
-        gathered = _all_gather(self._group, torch.tensor(list(values.values()), dtype=torch.int64))
-        for i, name in enumerate(values):
-            per_rank = [int(t[i]) for t in gathered]
-            if len(set(per_rank)) > 1:
-                raise RuntimeError(f"DP ranks disagree on {name}: {per_rank} (by rank); start "
-                                   "every rank with the same engine arguments")
+    def all_gather_json(self, value) -> list:
+        """At startup, before any loop runs: every rank's value, by rank (the ranks' fingerprints,
+        minicore/dp/fingerprint.py). As JSON, not pickled: a peer's bytes are never code to run."""
+        mine = torch.tensor(list(json.dumps(value).encode()), dtype=torch.uint8)
+        sizes = [int(n) for n in _all_gather(self._group, torch.tensor([len(mine)]))]
+        padded = torch.zeros(max(sizes), dtype=torch.uint8)
+        padded[:len(mine)] = mine
+        gathered = _all_gather(self._group, padded)
+        return [json.loads(bytes(t[:n].tolist())) for t, n in zip(gathered, sizes, strict=True)]
 
     def new_expert_parallel_group(self, device: torch.device) -> ProcessGroup:
         """At startup, on every rank: a group of the same ranks for a mixture-of-experts model's

@@ -275,6 +275,13 @@ def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> tor
     return resolved
 
 
+def resolved_dtype_name(dtype: str | None, device: str | None) -> str:
+    """The dtype load_model loads ``dtype`` as on ``device``, by name ("bfloat16"), without
+    loading anything: auto depends on the machine, and DP ranks compare what it became on each
+    before any of them reads a weight (minicore/dp/fingerprint.py)."""
+    return str(_resolve_dtype(dtype, resolve_device(device))).removeprefix("torch.")
+
+
 # CPU flags of native bfloat16 arithmetic: AMX tiles, or AVX-512 dot products of bfloat16 pairs.
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 

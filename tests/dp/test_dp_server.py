@@ -320,11 +320,12 @@ async def _status_is(http: httpx.AsyncClient, path: str, status: int) -> bool:
 
 async def test_expert_parallel_rank_killed_mid_wave_is_reported_by_its_peer(moe_model_dir):
     rpc_port = free_port_pair()
-    # Room for _long_stream's 1000 tokens.
+    # Room for _long_stream's 1000 tokens. Both sides float32, as the frontend's ServerProcess
+    # pins it: the ranks must agree (auto is bfloat16 on a CPU with native bfloat16).
     dp = ["--data-parallel-size", "2", "--data-parallel-size-local", "1",
           "--data-parallel-rpc-port", str(rpc_port), "--model", moe_model_dir("qwen3_moe"),
           "--enable-expert-parallel", "--max-model-len", "1100", "--kv-cache-memory",
-          str(64 << 20)]
+          str(64 << 20), "--dtype", "float32"]
     with _Frontend(*dp) as server, _Headless("--data-parallel-start-rank", "1", *dp) as headless:
         await asyncio.wait_for(asyncio.to_thread(server.wait_healthy), STARTUP_TIMEOUT_S + 10)
         (rank0,) = _engine_processes(server)

@@ -1,9 +1,9 @@
 """The DP group with real processes and real gloo collectives: the unfinished-requests all-reduce,
 the balance gather of a BalanceScheduler's len(running) and its all-reduce (MAX) alternative (all
-awaited from an event loop), a clear error when a rank never arrives (in the group, and at the
-frontend), and one when ranks disagree on a setting that changes their collectives; every socket
-of the group, and of the expert-parallel group made from it, listens on the DP address only. Every
-wait is bounded."""
+awaited from an event loop), and a clear error when a rank never arrives (in the group, and at the
+frontend); every socket of the group, and of the expert-parallel group made from it, listens on
+the DP address only (ranks that disagree on their config: test_config_agreement.py). Every wait is
+bounded."""
 
 import asyncio
 import multiprocessing
@@ -125,38 +125,6 @@ def test_the_group_listens_on_the_dp_address_only():
     assert {ip for ip, _ in listening} == {"127.0.0.1"}, listening
     assert ("127.0.0.1", port) in listening  # the store
     assert len(listening) >= 3  # and the two groups' gloo listeners
-
-
-def _rank_with_settings(rank: int, port: int, settings: dict[str, int], results) -> None:
-    group = DPGroup(rank, 2, "127.0.0.1", port, timeout_s=30)
-    try:
-        group.check_same_config(settings)
-        results.put((rank, "agreed"))
-    except RuntimeError as e:
-        results.put((rank, str(e)))
-    group.destroy()
-
-
-def test_ranks_that_disagree_on_a_setting_fail_naming_it():
-    # Ranks that disagree on balance scheduling would issue different collectives: a hang.
-    ctx = multiprocessing.get_context("spawn")
-    results, port = ctx.Queue(), free_port()
-    settings = [{"--runner simulated": 1, "--balance-scheduling": 1},
-                {"--runner simulated": 1, "--balance-scheduling": 0}]
-    procs = [ctx.Process(target=_rank_with_settings, args=(r, port, settings[r], results))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = sorted(results.get(timeout=60) for _ in range(2))
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    expected = "DP ranks disagree on --balance-scheduling: [1, 0] (by rank)"
-    assert [rank for rank, _ in got] == [0, 1]
-    assert all(message.startswith(expected) for _, message in got), got
 
 
 async def test_a_frontend_waiting_for_a_rank_that_never_starts_says_which_and_how():
