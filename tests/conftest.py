@@ -10,9 +10,8 @@ def hf_model_and_tokenizer():
     return load_model(dtype="float32", device="cpu")
 
 
-
-# The three kinds of machine the suite runs on, as their `lscpu` flags show them (abridged), and what
-# --dtype auto takes on each.
+# The three kinds of machine the suite runs on, as their `lscpu` flags show them (abridged), and
+# what --dtype auto takes on each.
 CPU_KINDS = {
     "avx2": ("fpu sse2 avx avx2 fma f16c", "float32"),
     "avx512_bf16": ("fpu sse2 avx avx2 fma avx512f avx512bw avx512vl avx512_bf16", "bfloat16"),
