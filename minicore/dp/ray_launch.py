@@ -13,6 +13,7 @@ group (tensor parallelism), vLLM's pack strategies, elastic scaling.
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -24,6 +25,7 @@ try:
     import ray
 except ImportError as e:  # the optional extra
     raise ImportError("--data-parallel-backend ray needs Ray: pip install 'minicore[ray]'") from e
+from ray._private import services
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -99,11 +101,15 @@ class CoreEngineActorManager:
 
     def __init__(self, config: EngineConfig):
         self.config = config
+        # RAY_ADDRESS's cluster, else a new local instance (not Ray's guess from the address file
+        # of the last cluster started here, which outlives that cluster); none if the caller
+        # connected already.
         self.owns_ray = not ray.is_initialized()
-        if self.owns_ray:
-            # RAY_ADDRESS's cluster, else a new local one (not Ray's guess from the address file
-            # of the last cluster started here, which outlives that cluster).
-            ray.init(address=os.environ.get("RAY_ADDRESS") or "local")
+        self.local_ray = self.owns_ray and not os.environ.get("RAY_ADDRESS")
+        if self.local_ray:
+            _init_local_ray()
+        elif self.owns_ray:
+            ray.init(address=os.environ["RAY_ADDRESS"])
         self.placement_groups = []
         self.actors = []
         self.here = ray.get_runtime_context().get_node_id()
@@ -222,10 +228,15 @@ class CoreEngineActorManager:
             ray.kill(actor)
 
     def close(self) -> None:
-        """Kill the actors, remove the placement groups, and leave the cluster as found."""
+        """Kill the actors and leave the cluster as found: a joined cluster's placement groups
+        removed, a local instance of our own stopped."""
         self.terminate()
-        for pg in self.placement_groups:
-            remove_placement_group(pg)
+        # A local instance's placement groups end with its GCS. Removing them first would wait for
+        # the GCS's answer, which never comes once it is stopping on a signal of its own (systemd's
+        # stop signals every process of the service, Ray's too).
+        if not self.local_ray:
+            for pg in self.placement_groups:
+                remove_placement_group(pg)
         if self.owns_ray:
             ray.shutdown()
 
@@ -252,6 +263,23 @@ class RayDPLBAsyncMPClient(DPLBAsyncMPClient):
         error = None if future.cancelled() else future.exception()
         how = f"died: {_cause(error)}" if error is not None else "exited"
         self.set_dead(f"engine core {rank}'s Ray actor {how}")
+
+
+def _init_local_ray() -> None:
+    """Start a local Ray instance whose processes (GCS, raylet, dashboard, monitors, and the
+    raylet's workers and agents under it) run outside the frontend's process group, each in a
+    session of its own, so that a signal to the whole group (`kill -- -PGID`, a terminal's Ctrl+C)
+    reaches the frontend alone, which then stops them in order (close()). Ray keeps SIGINT from
+    them itself (it blocks it in each) but not SIGTERM: in the group, the GCS and raylet stopped
+    under the frontend, whose placement group removal then never returned. Ray's Popen is the
+    only way in (ray.init has no such option); Ray's fate sharing stays, so they still die with a
+    frontend killed by SIGKILL."""
+    popen = services.ConsolePopen
+    services.ConsolePopen = functools.partial(popen, start_new_session=True)
+    try:
+        ray.init(address="local")
+    finally:
+        services.ConsolePopen = popen
 
 
 def _slots(resources: dict, bundle: dict) -> int:

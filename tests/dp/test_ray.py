@@ -7,8 +7,13 @@ rank 1 on the second node. Checked through Ray's state API (ray.util.state), as 
 - DP=2 on the real default model gives the single engine's greedy text, both ranks serve, waves
   end and restart;
 - a rank's actor killed: /health 503 within 5 s, streams end, and SIGTERM stops the server;
-- after the server stops (after a kill, and after a plain SIGTERM), none of its actors is alive
-  and none of its placement groups is left;
+- after the server stops (after a kill, after a SIGTERM to it, and after one to its whole process
+  group, which must leave the cluster's own processes running), none of its actors is alive and
+  none of its placement groups is left;
+- without RAY_ADDRESS, the local Ray instance it starts is stopped with it: a SIGTERM to its whole
+  process group (`kill -- -PGID`), a SIGINT to it (a terminal's Ctrl+C) and a SIGTERM to the
+  server alone each end it within 10 s, leaving none of its processes behind; so does a SIGTERM
+  to every process it started too (systemd's stop), within 30 s;
 - expert parallelism and the balance gate across the two nodes (in process, through AsyncLLM):
   a tiny MoE model's greedy tokens equal one engine's, the ranks' forwards meeting in every MoE
   layer (dummy ones included), and the wave ends;
@@ -17,6 +22,7 @@ rank 1 on the second node. Checked through Ray's state API (ray.util.state), as 
 """
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -25,6 +31,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import ray
 from dp_helpers import assert_all_engines_idle, dp_client, free_port_pair, wait_idle
@@ -44,6 +51,17 @@ from minicore.sampling_params import SamplingParams
 
 FAIL_FAST_S = 5
 EXIT_TIMEOUT_S = 20
+# A signal's promise: the server is gone this soon, and whatever it started soon after.
+SIGNAL_EXIT_S = 10
+# systemd's stop (KillMode=control-group) signals every process of the service at once, Ray's
+# own included, which then stop on their own, slower; it waits 90 s (TimeoutStopSec) by default.
+SYSTEMD_EXIT_S = 30
+# Which signal goes to whom (the server, its process group, or every process it started too),
+# and how soon the server must be gone.
+SIGNALS = {"SIGTERM to the process group": (signal.SIGTERM, "group", SIGNAL_EXIT_S),
+           "SIGINT to the process group": (signal.SIGINT, "group", SIGNAL_EXIT_S),
+           "SIGTERM to the server alone": (signal.SIGTERM, "server", SIGNAL_EXIT_S),
+           "SIGTERM to every process, as systemd": (signal.SIGTERM, "all", SYSTEMD_EXIT_S)}
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +96,30 @@ class RayServer(ServerProcess):
         """SIGTERM; the exit status, which must come within EXIT_TIMEOUT_S."""
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(EXIT_TIMEOUT_S)
+
+
+def signal_exit(server: ServerProcess, sig: int, whom: str = "group",
+                timeout: float = SIGNAL_EXIT_S) -> int:
+    """Send sig to the server, to its whole process group (which ServerProcess makes its own),
+    or to all its processes; its exit status, which must come within timeout."""
+    if whom == "group":
+        os.killpg(server.proc.pid, sig)
+    elif whom == "server":
+        server.proc.send_signal(sig)
+    else:
+        for process in [psutil.Process(server.proc.pid), *server.children()]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.send_signal(sig)
+    return server.proc.wait(timeout)
+
+
+def assert_gone(processes: list[psutil.Process]) -> None:
+    """None of processes left, not even defunct (Ray's dashboard leaves helpers that end, and are
+    reaped, a few seconds after it)."""
+    deadline = time.monotonic() + SIGNAL_EXIT_S
+    while left := [p for p in processes if p.is_running()]:
+        assert time.monotonic() < deadline, f"left: {[(p.pid, p.name(), p.status()) for p in left]}"
+        time.sleep(0.25)
 
 
 def _state(fn, cluster, **kwargs):
@@ -132,8 +174,27 @@ async def test_ray_dp2_matches_one_engine_placed_as_asked_and_leaves_nothing(
             choice = await _complete(http, PROMPTS[0], **{"X-data-parallel-rank": "1"})
             assert (choice["text"], choice["finish_reason"]) == reference[PROMPTS[0]]
             assert _successes(await _metrics(http), "1") == _successes(before, "1") + 1
-        assert server.stop() == 0
+        # `kill -- -PGID`: the whole process group, which holds none of the cluster's processes.
+        assert signal_exit(server, signal.SIGTERM) == 0
+    assert cluster.remaining_processes_alive()
     assert_cluster_as_found(cluster)
+
+
+@pytest.mark.parametrize("how", SIGNALS)
+def test_ray_local_instance_stops_with_the_server_on_a_signal(how):
+    """No RAY_ADDRESS: the server's own Ray instance (GCS, raylet, dashboard, the actors'
+    workers) goes with it, and with its GCS every actor and placement group."""
+    assert "RAY_ADDRESS" not in os.environ
+    with ServerProcess("--runner", "simulated", "--data-parallel-size", "2",
+                       "--data-parallel-backend", "ray",
+                       "--data-parallel-rpc-port", str(free_port_pair())) as server:
+        started = server.children()
+        names = " ".join(p.name() for p in started)
+        assert "gcs_server" in names and "raylet" in names, names
+        assert names.count("DPEngineCoreActor") == 2, names
+        assert signal_exit(server, *SIGNALS[how]) == 0
+        assert_gone(started)
+        assert "Traceback" not in server.log(), server.log()
 
 
 @pytest.mark.model
