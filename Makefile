@@ -10,7 +10,7 @@ serve: setup
 
 test: setup
 	$(PY) -m ruff check minicore tests benchmarks examples
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -n 2 --dist worksteal --durations=15 $(ARGS)
 
 bench: setup
 	$(PY) benchmarks/bench_scheduler.py

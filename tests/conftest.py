@@ -1,6 +1,16 @@
-"""Shared fixtures: the real default model, loaded once per test session (fp32 on CPU)."""
+"""Shared fixtures: the real default model, loaded once per test session (fp32 on CPU), and the
+machine kinds the suite plays."""
+
+import os
 
 import pytest
+
+# `make test` runs two test processes at once (pytest -n 2) on machines with as few as two cores:
+# each test process, and every server and engine it starts (they inherit this), computes on one
+# thread, or their OpenMP threads outnumber the cores and spin-wait on each other (a parity test
+# took 75 s so, 28 s on one thread).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MINICORE_CPU_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

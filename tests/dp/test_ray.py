@@ -64,6 +64,16 @@ SIGNALS = {"SIGTERM to the process group": (signal.SIGTERM, "group", SIGNAL_EXIT
            "SIGTERM to every process, as systemd": (signal.SIGTERM, "all", SYSTEMD_EXIT_S)}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_idle_ray_workers():
+    """Ray prestarts an idle worker per CPU on every node it starts, which nothing here uses (an
+    engine actor starts a worker of its own): without them a local instance is ready some 5 s
+    sooner on two cores (24 s to /health, 19 s without), and the suite has several."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_enable_worker_prestart", "0")
+        yield
+
+
 @pytest.fixture(scope="module")
 def cluster():
     """Two Ray nodes of one CPU each on this machine, the head with the dashboard (the state

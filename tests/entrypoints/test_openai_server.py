@@ -251,7 +251,13 @@ def test_disconnect_while_waiting_for_a_whole_response_aborts_it(server, http):
     assert _metric(http, "vllm:kv_cache_usage_perc") == 0.0
 
 
-def test_metrics_have_vllm_names_and_count_the_requests(http):
+def test_metrics_have_vllm_names_and_count_the_requests(client, http):
+    # Its own requests (the suite's processes may split this module's tests between them): two
+    # that end by length, two by EOS, the same prompt each time (the prefix cache hits).
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=32,
+                                       temperature=0)
     text = http.get("/metrics").text
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                  "prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total",
@@ -267,7 +273,6 @@ def test_metrics_have_vllm_names_and_count_the_requests(http):
     assert _metric(http, "vllm:request_success_total", finished_reason="stop") >= 2
     assert _metric(http, "vllm:prompt_tokens_total") > 0
     assert _metric(http, "vllm:time_to_first_token_seconds_count") >= 4
-    # The same prompt again and again: the prefix cache hits.
     assert _metric(http, "vllm:prefix_cache_hits_total") > 0
 
 

@@ -49,6 +49,14 @@ def model_tok(hf_model_and_tokenizer):
     return hf_model_and_tokenizer
 
 
+@pytest.fixture(scope="module")
+def texts_reference(model_tok):
+    """TEXTS encoded, and transformers' greedy tokens for them: three of the tests share both."""
+    model, tok = model_tok
+    prompts = _encode(tok, TEXTS)
+    return prompts, _reference(model, tok, prompts)
+
+
 def _encode(tokenizer, texts):
     return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
@@ -73,20 +81,18 @@ def _assert_parity(outs, reference):
         assert out.outputs[0].token_ids == ref, f"prompt {i} diverges from transformers"
 
 
-def test_one_batch(model_tok):
+def test_one_batch(model_tok, texts_reference):
     model, tok = model_tok
-    prompts = _encode(tok, TEXTS)
-    reference = _reference(model, tok, prompts)
+    prompts, reference = texts_reference
     llm, outs, scheduled = _run(model, tok, prompts, max_model_len=512)
     assert set(scheduled[0]) == {o.request_id for o in outs}, "all prompts ran in the first step"
     _assert_parity(outs, reference)
     assert llm.llm_engine.scheduler.kv_cache_manager.usage == 0
 
 
-def test_chunked_prefill(model_tok):
+def test_chunked_prefill(model_tok, texts_reference):
     model, tok = model_tok
-    prompts = _encode(tok, TEXTS)
-    reference = _reference(model, tok, prompts)
+    prompts, reference = texts_reference
     llm, outs, scheduled = _run(model, tok, prompts, max_model_len=512, max_num_batched_tokens=24)
     chunks = {}
     for step in scheduled:
@@ -107,10 +113,9 @@ def test_prefix_cache_hits(model_tok):
     _assert_parity(outs, reference)
 
 
-def test_preemption_and_recompute(model_tok):
+def test_preemption_and_recompute(model_tok, texts_reference):
     model, tok = model_tok
-    prompts = _encode(tok, TEXTS)
-    reference = _reference(model, tok, prompts)
+    prompts, reference = texts_reference
     # 160 tokens of KV: enough for the longest request alone, far too little for all at once.
     llm, outs, _ = _run(model, tok, prompts, max_model_len=160, block_size=16, num_blocks=11)
     assert llm.llm_engine.scheduler.num_preemptions > 0
