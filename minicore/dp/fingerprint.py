@@ -16,7 +16,8 @@ carry request counts, never blocks, and a dummy batch uses the null block every 
 how it schedules its own requests (--max-num-batched-tokens, chunked prefill, prefix caching,
 --async-scheduling: they change when a request runs, not what it means nor the collectives).
 Nor what only the frontend reads (--chat-template, --generation-config), nor --seed (each rank's
-own random state), nor --data-parallel-size, which the group is formed from.
+own random state), nor --data-parallel-size, which the group is formed from (compared in the
+rendezvous store, before the group forms: dp/process_groups.py).
 """
 
 import dataclasses

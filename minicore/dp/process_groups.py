@@ -20,10 +20,25 @@ def create_tcp_store(address: str, port: int, rank: int, size: int, timeout: tim
                      listen_socket: socket.socket | None) -> TCPStore:
     """The group's rendezvous store at address:port, hosted by rank 0 on listen_socket (already
     bound, which the store takes over and closes when it goes). Returns once every rank has
-    arrived; a RuntimeError (DistError) after timeout otherwise."""
+    arrived and agrees on the size; a RuntimeError (DistError) after timeout otherwise."""
     listen_fd = listen_socket.detach() if listen_socket is not None else None
-    return TCPStore(address, port, world_size=size, is_master=rank == 0, timeout=timeout,
-                    wait_for_workers=True, master_listen_fd=listen_fd, use_libuv=True)
+    store = TCPStore(address, port, world_size=size, is_master=rank == 0, timeout=timeout,
+                     wait_for_workers=True, master_listen_fd=listen_fd, use_libuv=True)
+    _check_same_size(store, rank, size)
+    return store
+
+
+def _check_same_size(store: TCPStore, rank: int, size: int) -> None:
+    """The store counts arrivals only: ranks of different sizes would then wait in gloo's setup
+    for ranks that never come, until its timeout. Rank 0's size against each rank's, so that both
+    sides fail at once, naming the flag (as minicore/dp/fingerprint.py does the others)."""
+    store.set(f"dp_size/{rank}", str(size))
+    for peer in range(1, size) if rank == 0 else [0]:
+        sizes = {rank: size, peer: int(store.get(f"dp_size/{peer}"))}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"DP ranks disagree on --data-parallel-size: rank 0 has {sizes[0]}, "
+                             f"rank {max(sizes)} has {sizes[max(sizes)]}; start every rank with "
+                             "the same engine arguments")
 
 
 def init_gloo_process_group(store: TCPStore | PrefixStore, rank: int, size: int,

@@ -254,3 +254,28 @@ def test_the_first_difference_from_rank_0_is_named_with_both_values():
                                          "simulated"):
         check_same_fingerprint([base, simulated])
 
+
+
+def test_ranks_that_disagree_on_the_group_size_both_fail_at_once_naming_it():
+    """Not a fingerprint's field, as the group forms from it: compared in the rendezvous store
+    before gloo's setup, which would wait for a rank 2 that never comes until its timeout."""
+    port, raised = free_port(), {}
+
+    def rank(r: int, size: int) -> None:
+        try:
+            DPGroup(r, size, "127.0.0.1", port, timeout_s=30).destroy()
+        except ValueError as e:
+            raised[r] = str(e)
+
+    threads = [threading.Thread(target=rank, args=(r, size), daemon=True)
+               for r, size in ((0, 2), (1, 3))]
+    start = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads), "a rank hung"
+    assert time.monotonic() - start < 10
+    line = ("DP ranks disagree on --data-parallel-size: rank 0 has 2, rank 1 has 3; start every "
+            "rank with the same engine arguments")
+    assert raised == {0: line, 1: line}
