@@ -11,6 +11,8 @@ of them starts:
   does; both fail with the same line. A pair that agrees passes.
 - the fingerprint itself: what it holds, what it leaves out, the model files' identity, and the
   message for the first difference, whatever the number of ranks.
+- ranks that disagree on --data-parallel-size, which no fingerprint can carry (the group forms
+  from it): both fail at once in the rendezvous, naming it.
 A matching frontend and headless pair still serves: tests/dp/test_dp_server.py.
 """
 
