@@ -7,7 +7,7 @@ Offline, on an in-process engine (collective_rpc runs a function on the model ru
     .venv/bin/python examples/rl_weight_sync.py
 
 Against a server started with the development endpoints (any --data-parallel-size; over HTTP
-collective_rpc names a runner method, load_weights):
+the weight update's three calls load a safetensors file on every rank):
 
     VLLM_SERVER_DEV_MODE=1 .venv/bin/python -m minicore serve --dtype float32 --data-parallel-size 2
     .venv/bin/python examples/rl_weight_sync.py --base-url http://127.0.0.1:8000
@@ -97,9 +97,11 @@ def sync_server(base_url: str, tokenizer, path: Path) -> tuple[list, list]:
 
     with httpx.Client(base_url=base_url, timeout=120) as http:
         before = complete()
+        update_info = {"update_info": {"path": str(path)}}
         for call in (lambda: http.post("/pause", params={"mode": "keep"}),
-                     lambda: http.post("/collective_rpc", json={"method": "load_weights",
-                                                                "args": [str(path)]}),
+                     lambda: http.post("/start_weight_update"),
+                     lambda: http.post("/update_weights", json=update_info),
+                     lambda: http.post("/finish_weight_update"),
                      lambda: http.post("/reset_prefix_cache"),
                      lambda: http.post("/resume")):
             response = call()

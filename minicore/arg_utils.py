@@ -14,9 +14,10 @@ import argparse
 import json
 import os
 import re
+import types
 from dataclasses import field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_origin, get_type_hints
 
 # generation_config.json keys that are sampling defaults, in vLLM's order (get_diff_sampling_param).
 _SAMPLING_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature",
@@ -179,4 +180,32 @@ def json_object(value: str | dict, cls: type) -> dict:
     if unknown := sorted(set(value) - set(names)):
         raise ValueError(f"expected a JSON object with keys among {', '.join(names)}, got "
                          f"unknown key(s) {', '.join(unknown)}")
+    hints = get_type_hints(cls)
+    for key, item in value.items():
+        if not _json_value_fits(item, hints[key]):
+            raise ValueError(f"{key} must be {_describe_type(hints[key])}, got {json.dumps(item)}")
     return value
+
+
+# A JSON value's Python types for each annotation a config field has: strict, as JSON itself is
+# (true is not 1, 1 is not 1.0's only spelling), so a typo fails at start-up naming the key.
+_JSON_TYPES = {int: (int,), float: (int, float), bool: (bool,), str: (str,), dict: (dict,),
+               list: (list,), type(None): (type(None),)}
+
+
+def _json_value_fits(value, annotation) -> bool:
+    if annotation is Any:
+        return True
+    options = get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    for option in options:
+        allowed = _JSON_TYPES.get(get_origin(option) or option, ())
+        if isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed):
+            return True
+    return False
+
+
+def _describe_type(annotation) -> str:
+    options = get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    words = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+             dict: "a JSON object", list: "a JSON array", type(None): "null"}
+    return " or ".join(words.get(get_origin(o) or o, str(o)) for o in options)

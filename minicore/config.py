@@ -224,6 +224,13 @@ class EngineConfig:
         if self.speculative_config is not None and not runner_info(runner).has_logits:
             raise ValueError(f"the {runner} runner has no model to verify drafts against: "
                              "--speculative-config needs --runner transformers")
+        max_model_len = self.scheduler_config.max_model_len
+        if (self.speculative_config is not None and max_model_len > 0
+                and self.speculative_config.num_speculative_tokens >= max_model_len):
+            # Checked again once auto (-1) is resolved: a config is rebuilt with the model's.
+            raise ValueError(f"speculative_config: num_speculative_tokens "
+                             f"({self.speculative_config.num_speculative_tokens}) must be less "
+                             f"than max_model_len ({max_model_len})")
         if self.scheduler_config.async_scheduling and (reason := self._async_unsupported()):
             raise ValueError(f"--async-scheduling does not support {reason}")
 

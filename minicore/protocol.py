@@ -157,6 +157,8 @@ class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     call_id: int
     result: Any = None
     failure_message: str | None = None
+    # The failure was the caller's: arguments, or a call the engine's state refuses (a 4xx).
+    caller_error: bool = False
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -257,6 +257,30 @@ def test_serve_refuses_what_minicore_cannot_do_before_starting_anything(argv, me
     assert str(e.value.code).startswith("error: ") and message in e.value.code
 
 
+@pytest.mark.parametrize("flag, value, message", [
+    # A bool is not an integer (true once hung every request), 1.5 not an integer either.
+    ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": true}',
+     "--speculative-config: num_speculative_tokens must be an integer or null, got true"),
+    ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
+     '"prompt_lookup_max": 1.5}', "prompt_lookup_max must be an integer or null, got 1.5"),
+    ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": "3"}',
+     'num_speculative_tokens must be an integer or null, got "3"'),
+    # More drafts than a sequence can hold (1e9 once grew the engine past 3.9 GB at start-up).
+    ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 1000000000}',
+     "num_speculative_tokens (1000000000) must be less than max_model_len (2048)"),
+    ("--structured-outputs-config", '{"disable_any_whitespace": 1}',
+     "disable_any_whitespace must be true or false, got 1"),
+    ("--structured-outputs-config", '{"max_grammar_nesting": 0}',
+     "max_grammar_nesting must be an integer >= 1"),
+    ("--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_role": "kv_both", '
+     '"kv_connector_extra_config": []}', "kv_connector_extra_config must be a JSON object"),
+])
+def test_config_flags_are_type_checked_strictly_naming_the_flag(flag, value, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", flag, value])
+    assert message in f"{e.value.code} {capsys.readouterr().err}"
+
+
 def test_chat_template_is_a_file_or_the_template_itself(tmp_path):
     from minicore.arg_utils import resolve_chat_template
 

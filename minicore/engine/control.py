@@ -9,7 +9,8 @@ may finish later, when the engine is idle; vLLM's _convert_msgspec_args has noth
 no method here takes a msgspec Struct). EngineControl is mixed into EngineCore; ProcControl into
 EngineCoreProc, where "idle" is the busy loop's (a DP rank's: its wave ended on every rank).
 The guarded surface: a UTILITY message may name only the public methods of EngineControl
-(UTILITY_METHODS), and collective_rpc only the runner's public methods, or a pickled callable
+(UTILITY_METHODS), and collective_rpc only the runner's public methods that leave the engine's
+own state alone (not ENGINE_OWNED: sleep, KV cache, weights, forwards), or a pickled callable
 where MINICORE_ALLOW_INSECURE_SERIALIZATION=1 (vLLM's VLLM_ALLOW_INSECURE_SERIALIZATION).
 Left out: LoRA, profiling, elastic scaling, NCCL/IPC weight transfer (the update reads a local
 safetensors file).
@@ -106,6 +107,8 @@ class EngineControl:
         if self.config.kv_transfer_config is not None:
             raise ValueError("sleep mode with a KV connector is not supported: the connector "
                              "registered the KV cache's memory with its peers")
+        if self.sleeping_tags and level == self.sleep_level:
+            return None  # asleep as asked already (vLLM's sleep is idempotent too)
         if self.sleeping_tags:
             raise ValueError(f"the engine is already asleep (level {self.sleep_level}): wake it "
                              "up first")
@@ -160,7 +163,8 @@ class EngineControl:
             raise ValueError("no weight update in progress: call start_weight_update first")
         if not isinstance(update_info, dict) or not isinstance(update_info.get("path"), str):
             raise ValueError('update_info must be {"path": "<safetensors file or directory>"}')
-        return self.collective_rpc("load_weights", args=(update_info["path"],))
+        return self._on_forward_thread(
+            partial(self.model_runner.load_weights, update_info["path"]), None)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.weight_update_open = False
@@ -265,6 +269,7 @@ class ProcControl(EngineControl):
         if error is not None:
             logger.error("EngineCore %d: utility %s failed: %r", self.engine_index, method, error)
             output.failure_message = f"call to {method} failed: {error}"
+            output.caller_error = isinstance(error, ValueError)
         self._send(utility_output=output)
 
 
@@ -294,10 +299,29 @@ def resolve_worker_call(runner, method) -> Callable:
         method = method.load()
     if callable(method):
         return partial(method, runner)
+    if method in ENGINE_OWNED:
+        raise ValueError(f"collective_rpc: {method!r} changes state the engine keeps itself; "
+                         f"{ENGINE_OWNED[method]}")
     if not isinstance(method, str) or method.startswith("_") or not callable(
             getattr(runner, method, None)):
         raise ValueError(f"collective_rpc: the worker has no public method {method!r}")
     return getattr(runner, method)
+
+
+# The runner's methods whose effects the engine tracks (its KV blocks, its sleep level, its
+# weight version, its step): run behind its back they freed the KV cache or weights under a
+# running batch, or garbled a stream. Each is refused by name, saying what to call instead.
+ENGINE_OWNED = {
+    "sleep": "call the engine's sleep (POST /sleep)",
+    "wake_up": "call the engine's wake_up (POST /wake_up)",
+    "load_weights": "update weights between start_weight_update and finish_weight_update "
+                    "(POST /update_weights)",
+    "init_kv_cache": "the engine allocates its KV cache once, at start-up",
+    "bind_weights": "the engine binds its weights itself, at start-up and wake-up",
+    "execute_model": "the engine's busy loop runs every forward",
+    "execute_dummy_batch": "the engine's busy loop runs every forward",
+    "pop_step_time": "the engine reads its step times itself",
+}
 
 
 class PickledCallable:

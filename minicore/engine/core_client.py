@@ -246,7 +246,8 @@ class AsyncMPClient:
 
     async def call_utility_async(self, method: str, *args, engine_index: int = 0) -> Any:
         """Call an engine utility method (minicore/engine/control.py) on one engine and return
-        its result; RuntimeError if it failed in the engine."""
+        its result; ValueError if the engine refused the call (its arguments, or its state),
+        RuntimeError if it failed there."""
         if self.errored:
             raise self.dead_error
         call_id = next(self._call_ids)
@@ -322,7 +323,8 @@ class AsyncMPClient:
             if result.failure_message is None:
                 future.set_result(result.result)
             else:
-                future.set_exception(RuntimeError(result.failure_message))
+                error = ValueError if result.caller_error else RuntimeError
+                future.set_exception(error(result.failure_message))
 
     # ---- shutdown ------------------------------------------------------------------------------
 

@@ -55,6 +55,9 @@ class InputProcessor:
         self.max_logprobs = config.model_config.max_logprobs
         self.has_logits = runner_info(config.model_config.runner).has_logits
         self.structured_outputs_refused = structured_outputs_unsupported(config, self.has_logits)
+        so_config = config.structured_outputs_config
+        self.max_grammar_nesting = so_config.max_grammar_nesting
+        self.max_grammar_bytes = so_config.max_grammar_bytes
         # vLLM's update_from_generation_config: the generation config's other EOS ids stop too.
         eos_ids = config.model_config.try_get_generation_config().get("eos_token_id")
         eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or ())
@@ -143,7 +146,8 @@ class InputProcessor:
             raise InvalidRequestError("structured outputs are not supported with "
                                       f"{self.structured_outputs_refused}", "structured_outputs")
         try:
-            validate_structured_outputs(params.structured_outputs)
+            validate_structured_outputs(params.structured_outputs, self.max_grammar_nesting,
+                                        self.max_grammar_bytes)
         except ValueError as e:
             raise InvalidRequestError(str(e), "structured_outputs") from None
 

@@ -70,16 +70,18 @@ MIN_BODY_BYTES = 1 << 20
 
 
 class AuthenticationMiddleware:
-    """With --api-key, every /v1 route needs `Authorization: Bearer <key>` (vLLM's rule: /health,
-    /metrics, /version and the tokenizer routes stay open). Plain ASGI, so streams are untouched."""
+    """With --api-key, every /v1 route and the paths in `also` need `Authorization: Bearer <key>`
+    (vLLM's rule for /v1: /health, /metrics, /version and the tokenizer routes stay open). Plain
+    ASGI, so streams are untouched."""
 
-    def __init__(self, app, api_key: str):
+    def __init__(self, app, api_key: str, also: frozenset[str] = frozenset()):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.also = also
 
     async def __call__(self, scope, receive, send) -> None:
-        if (scope["type"] == "http" and scope["path"].startswith("/v1")
-                and scope["method"] != "OPTIONS"):
+        if (scope["type"] == "http" and scope["method"] != "OPTIONS"
+                and (scope["path"].startswith("/v1") or scope["path"] in self.also)):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 response = error_response(OpenAIError("Incorrect API key provided.", 401))
@@ -106,8 +108,11 @@ def build_app(client: AsyncLLM, serving: OpenAIServing, metrics: ServerMetrics,
     # FastAPI's OpenTelemetry hooks look up the tracer provider on every request: off.
     app = FastAPI(title="minicore", version=minicore.__version__, lifespan=lifespan,
                   telemetry={"tracing": False, "metrics": False, "logs": False})
+    # The dev routes (VLLM_SERVER_DEV_MODE=1) need the key too: they can stop generation,
+    # free the engines' memory and load weights (vLLM leaves them open).
+    dev_paths = attach_dev_routes(app, client) if dev_mode() else frozenset()
     if api_key:
-        app.add_middleware(AuthenticationMiddleware, api_key=api_key)
+        app.add_middleware(AuthenticationMiddleware, api_key=api_key, also=dev_paths)
     limits = limits or HttpLimits()
     # Added last, so it runs first: an oversized request costs nothing more.
     app.add_middleware(RequestLimitsMiddleware, max_body_bytes=limits.max_request_body_bytes,
@@ -118,8 +123,6 @@ def build_app(client: AsyncLLM, serving: OpenAIServing, metrics: ServerMetrics,
     app.state.server_load_metrics = 0
     _add_routes(app, client, serving, metrics)
     _add_admin_routes(app, client)
-    if dev_mode():
-        attach_dev_routes(app, client)
     return app
 
 

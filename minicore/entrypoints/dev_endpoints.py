@@ -5,7 +5,7 @@ Mirrors vllm/entrypoints/serve/dev/ and vllm/entrypoints/serve/rlhf/api_router.p
 calls AsyncLLM's control plane (minicore/engine/async_llm.py), which calls every engine's utility
 method (minicore/engine/control.py). Whoever reaches the port can stop generation, free the
 engines' memory and make every engine load any local safetensors file its user may read: mount
-these only where the port is the operator's (the API key, when set, covers them too). Bad
+these only where the port is the operator's; with --api-key, every route here needs the key. Bad
 arguments are a 400 with an OpenAI error body, a failure in an engine a 500. Left out:
 /init_weight_transfer_engine (NCCL and IPC transfers), /get_world_size, /weight_checker.
 """
@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import Body, FastAPI, Query
+from fastapi import APIRouter, Body, FastAPI, Query
 from fastapi.responses import Response
 
 from minicore.engine.async_llm import AsyncLLM
@@ -40,12 +40,16 @@ async def _control(call) -> Any:
         raise OpenAIError(str(e), 500) from None
 
 
-def attach_dev_routes(app: FastAPI, client: AsyncLLM) -> None:
-    _add_sleep_and_pause_routes(app, client)
-    _add_worker_routes(app, client)
+def attach_dev_routes(app: FastAPI, client: AsyncLLM) -> frozenset[str]:
+    """Mount the routes; their paths, which --api-key guards."""
+    router = APIRouter()
+    _add_sleep_and_pause_routes(router, client)
+    _add_worker_routes(router, client)
+    app.include_router(router)
+    return frozenset(route.path for route in router.routes)
 
 
-def _add_sleep_and_pause_routes(app: FastAPI, client: AsyncLLM) -> None:
+def _add_sleep_and_pause_routes(app: APIRouter, client: AsyncLLM) -> None:
     @app.post("/sleep")
     async def sleep(level: int = 1, mode: PauseMode = "abort"):
         await _control(client.sleep(level, mode))
@@ -76,7 +80,7 @@ def _add_sleep_and_pause_routes(app: FastAPI, client: AsyncLLM) -> None:
         return json_response({"is_paused": await _control(client.is_paused())})
 
 
-def _add_worker_routes(app: FastAPI, client: AsyncLLM) -> None:
+def _add_worker_routes(app: APIRouter, client: AsyncLLM) -> None:
     @app.post("/collective_rpc")
     async def collective_rpc(method: Annotated[str, Body()], args: Annotated[list, Body()] = [],  # noqa: B006 (FastAPI copies defaults)
                              kwargs: Annotated[dict, Body()] = {},  # noqa: B006

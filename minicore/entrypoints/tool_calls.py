@@ -16,7 +16,8 @@ VLLM_ENFORCE_STRICT_TOOL_CALLING=0: the named function's parameters, or an array
 <tool_call> format with an xgrammar structural tag (arguments unconstrained unless a tool is
 strict), which minicore's structured outputs do not have.
 Left out: --exclude-tools-when-tool-choice-none (tools always reach the template), reasoning
-parsers, kimi_k2 tool call ids, Mistral tokenizers.
+parsers, kimi_k2 tool call ids, Mistral tokenizers. Adds OpenAI's limits on tools (MAX_TOOLS,
+MAX_TOOL_NAME_CHARS).
 """
 
 import dataclasses
@@ -37,6 +38,10 @@ from minicore.entrypoints.tool_records import (
 from minicore.sampling_params import SamplingParams
 from minicore.structured_output.params import StructuredOutputsParams
 
+# OpenAI's limits on a request's tools: a "required" tool choice compiles one grammar over all
+# of them (10,000 tools took the engine past 8 GB), and every name goes into the prompt.
+MAX_TOOLS = 128
+MAX_TOOL_NAME_CHARS = 64
 _CORRECT_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
 _FUNCTION_FIELDS = {"name": (str,), "description": (str, type(None)),
                     "parameters": (dict, type(None)), "strict": (bool, type(None))}
@@ -98,6 +103,9 @@ def check_tools(request, parser_cls: type[ToolParser] | None) -> ChatTools:
     if request.tools == []:
         raise OpenAIError("`tools` must not be an empty array. Either provide at least one tool "
                           "or omit the field entirely.", 400, "tools")
+    if request.tools is not None and len(request.tools) > MAX_TOOLS:
+        raise OpenAIError(f"`tools` has {len(request.tools)} tools; at most {MAX_TOOLS} are "
+                          "allowed", 400, "tools")
     tools = None if request.tools is None else [_tool(i, t) for i, t in enumerate(request.tools)]
     choice = request.tool_choice
     if choice is None:
@@ -130,6 +138,9 @@ def _tool(i: int, tool) -> dict:
         if not isinstance(function.get(name), types):
             raise OpenAIError(f"tools[{i}].function.{name} must be "
                               f"{' or '.join(t.__name__ for t in types)}", 400, "tools")
+    if not 0 < len(function["name"]) <= MAX_TOOL_NAME_CHARS:
+        raise OpenAIError(f"tools[{i}].function.name must be 1 to {MAX_TOOL_NAME_CHARS} "
+                          f"characters, got {len(function['name'])}", 400, "tools")
     dump = {"name": function["name"], "description": function.get("description"),
             "parameters": function.get("parameters")}
     if function.get("strict") is not None:
@@ -274,7 +285,7 @@ def _required_calls(text: str) -> list[tuple[str, dict | None]]:
     of such objects (vLLM's TypeAdapter(list[FunctionDefinition]) validation)."""
     try:
         items = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return []
     if not isinstance(items, list) or not all(
             isinstance(i, dict) and isinstance(i.get("name"), str)

@@ -99,7 +99,7 @@ def partial_tag_overlap(text: str, tag: str) -> int:
 def is_complete_json(text: str) -> bool:
     try:
         json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past Python's recursion limit: not a call
         return False
     return True
 
@@ -132,8 +132,9 @@ class Hermes2ProToolParser(ToolParser):
             tool_calls = [ToolCall(function=FunctionCall(
                 _name(call), json.dumps(call["arguments"], ensure_ascii=False)))
                 for call in calls]
-        except (ValueError, KeyError, TypeError) as e:
-            # As vLLM: a call that does not parse leaves the whole output as content.
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            # As vLLM: a call that does not parse (or nests past Python's recursion limit)
+            # leaves the whole output as content.
             logger.warning("hermes tool parser: the tool calls do not parse (%s); returning the "
                            "output as content", e)
             return ExtractedToolCallInformation(False, [], model_output)

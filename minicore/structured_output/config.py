@@ -3,11 +3,14 @@
 Mirrors vllm/config/structured_outputs.py (StructuredOutputsConfig), with its JSON flag. minicore
 has one backend, xgrammar (vLLM's default under "auto"; chosen by measurement, docs/BENCHMARKS.md),
 so "auto" means xgrammar and vLLM's other backends are refused by name, as are the settings that
-only they read (disable_additional_properties is guidance's) and reasoning parsers. Pure Python:
+only they read (disable_additional_properties is guidance's) and reasoning parsers. Adds the
+bounds on a request's grammar (max_grammar_nesting, max_grammar_bytes). Pure Python:
 minicore.config imports it.
 """
 
 from dataclasses import dataclass
+
+from minicore.structured_output.params import MAX_GRAMMAR_BYTES, MAX_GRAMMAR_NESTING
 
 BACKENDS = ("auto", "xgrammar")
 # vLLM's other backends: named in the refusal, so that a vLLM command line fails clearly.
@@ -22,6 +25,9 @@ class StructuredOutputsConfig:
     disable_additional_properties: bool = False
     reasoning_parser: str = ""
     enable_in_reasoning: bool = False
+    # minicore's bounds on what a request's grammar may be before xgrammar sees it (params.py).
+    max_grammar_nesting: int = MAX_GRAMMAR_NESTING
+    max_grammar_bytes: int = MAX_GRAMMAR_BYTES
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -33,6 +39,11 @@ class StructuredOutputsConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"structured_outputs_config: {name} must be true or false, got "
                                  f"{getattr(self, name)!r}")
+        for name in ("max_grammar_nesting", "max_grammar_bytes"):
+            if not isinstance(value := getattr(self, name), int) or isinstance(value, bool) or (
+                    value < 1):
+                raise ValueError(f"structured_outputs_config: {name} must be an integer >= 1, "
+                                 f"got {value!r}")
         if self.disable_additional_properties:
             raise ValueError("structured_outputs_config: disable_additional_properties is only "
                              "supported by vLLM's guidance backend, which minicore does not have")

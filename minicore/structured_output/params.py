@@ -55,13 +55,38 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 def choice_grammar(choices: list[str]) -> str:
-    """An EBNF grammar of exactly one of the strings (vLLM's choice_as_grammar)."""
-    quoted = (c.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") for c in choices)
-    return "root ::= " + " | ".join(f'"{c}"' for c in quoted)
+    """An EBNF grammar of exactly one of the strings (vLLM's choice_as_grammar), every control
+    character escaped (a raw one is an EBNF lexer error)."""
+    return "root ::= " + " | ".join(f'"{_ebnf_escape(c)}"' for c in choices)
+
+
+def _ebnf_escape(text: str) -> str:
+    # \u takes exactly four hex digits (\x takes all that follow: "\x00b" would be 0x0b).
+    return "".join("\\" + c if c in '"\\' else f"\\u{ord(c):04x}" if c < " " or c == "\x7f"
+                   else c for c in text)
 
 
 # vLLM's MAX_STRUCTURED_OUTPUT_JSON_NESTING: converting a schema costs steeply with its depth.
 MAX_JSON_NESTING = 64
+# The limits on what reaches xgrammar's native compiler, whose recursive parsers overflow the
+# stack (SIGSEGV, the whole process gone) on a regex or grammar nested some 30,000 levels deep
+# and cost memory with size. --structured-outputs-config raises them
+# ({"max_grammar_nesting": N, "max_grammar_bytes": N}).
+MAX_GRAMMAR_NESTING = 256
+MAX_GRAMMAR_BYTES = 256 << 10
+# JSON-schema keywords xgrammar 0.2.8 compiles but does not enforce (measured: a violating
+# document is accepted): refused, as vLLM's has_xgrammar_unsupported_json_features refuses its
+# list, so that no client believes a constraint holds that nothing enforced.
+UNENFORCED_KEYWORDS = ("uniqueItems", "contains", "minContains", "maxContains", "not", "if",
+                       "then", "else", "dependentRequired", "contentEncoding",
+                       "contentMediaType", "unevaluatedItems")
+# The string formats xgrammar enforces; any other is refused.
+ENFORCED_FORMATS = ("email", "date", "time", "date-time", "duration", "uuid", "ipv4", "ipv6",
+                    "hostname", "uri", "uri-reference", "uri-template", "json-pointer",
+                    "relative-json-pointer")
+# Keys whose values map names (not keywords) to subschemas, and keys whose values are data.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_DATA_KEYS = ("enum", "const", "default", "examples", "required", "description", "title")
 
 
 def build_grammar(params: StructuredOutputsParams, disable_any_whitespace: bool = False):
@@ -90,10 +115,13 @@ def build_grammar(params: StructuredOutputsParams, disable_any_whitespace: bool 
         raise ValueError(f"invalid structured_outputs.{kind}: {message}") from None
 
 
-def validate_structured_outputs(params: StructuredOutputsParams) -> None:
+def validate_structured_outputs(params: StructuredOutputsParams,
+                                max_nesting: int = MAX_GRAMMAR_NESTING,
+                                max_bytes: int = MAX_GRAMMAR_BYTES) -> None:
     """The frontend's checks (vLLM's SamplingParams._validate_structured_outputs and
     validate_xgrammar_grammar): ValueError naming the field for what the engine could not
-    compile, or could compile only at a cost no request should impose."""
+    compile, could compile only at a cost no request should impose (size and nesting within
+    max_bytes and max_nesting, checked before xgrammar parses anything), or would not enforce."""
     for kind in ("json", "grammar"):
         if isinstance(value := getattr(params, kind), str) and not value.strip():
             raise ValueError(f"structured_outputs.{kind} cannot be an empty string")
@@ -102,10 +130,85 @@ def validate_structured_outputs(params: StructuredOutputsParams) -> None:
                          "structured_outputs to disable structured outputs")
     if params.regex is not None and "\x00" in params.regex:
         raise ValueError("structured_outputs.regex must not contain a NUL character")
-    if params.json is not None and _nesting_exceeds(params.json, MAX_JSON_NESTING):
+    kind, spec = params.kind, params.key()[1]
+    if len(spec.encode()) > max_bytes:
+        raise ValueError(f"structured_outputs.{kind} is {len(spec.encode())} bytes, more than "
+                         f"the server's limit of {max_bytes} (max_grammar_bytes)")
+    if params.json is not None:
+        _check_json_schema(params.json, max_nesting)
+    elif kind in ("regex", "grammar"):
+        _check_nesting(spec, f"structured_outputs.{kind}", max_nesting, quotes=kind == "grammar")
+    build_grammar(params)
+
+
+def _check_json_schema(schema: str | dict, max_nesting: int) -> None:
+    if _nesting_exceeds(schema, MAX_JSON_NESTING):
         raise ValueError("structured_outputs.json: the JSON schema is nested too deeply: objects "
                          f"and arrays may nest at most {MAX_JSON_NESTING} levels")
-    build_grammar(params)
+    if isinstance(schema, str):
+        try:
+            schema = json_module.loads(schema)
+        except ValueError:
+            return  # not JSON: build_grammar says so
+    _check_schema_node(schema, "structured_outputs.json", max_nesting)
+
+
+def _check_schema_node(node, where: str, max_nesting: int) -> None:
+    """Refuse the keywords xgrammar does not enforce and regexes nested too deeply, anywhere in
+    a schema (recursion bounded by MAX_JSON_NESTING, checked first)."""
+    if isinstance(node, list):
+        for i, item in enumerate(node):
+            _check_schema_node(item, f"{where}[{i}]", max_nesting)
+        return
+    if not isinstance(node, dict):
+        return
+    for key, value in node.items():
+        at = f"{where}.{key}"
+        if key in _DATA_KEYS:
+            continue
+        if key in UNENFORCED_KEYWORDS and not (key == "uniqueItems" and value is False):
+            raise ValueError(f"{at}: the JSON-schema keyword {key!r} is not supported by the "
+                             "xgrammar backend (it would not be enforced)")
+        if key == "format" and value not in ENFORCED_FORMATS:
+            raise ValueError(f"{at}: 'format' {value!r} is not supported by the xgrammar "
+                             f"backend (it would not be enforced); supported: "
+                             f"{', '.join(ENFORCED_FORMATS)}")
+        if key == "allOf" and isinstance(value, list) and len(value) > 1:
+            raise ValueError(f"{at}: 'allOf' with more than one schema is not supported by the "
+                             "xgrammar backend (it would not be enforced)")
+        if key == "pattern" and isinstance(value, str):
+            _check_nesting(value, at, max_nesting)
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            for name, sub in value.items():
+                if key == "patternProperties":
+                    _check_nesting(name, f"{at} key", max_nesting)
+                _check_schema_node(sub, f"{at}.{name}", max_nesting)
+        else:
+            _check_schema_node(value, at, max_nesting)
+
+
+def _check_nesting(text: str, where: str, limit: int, quotes: bool = False) -> None:
+    """ValueError if brackets nest deeper than limit in a regex or grammar (escaped characters,
+    and quoted literals where quotes, do not count)."""
+    depth = deepest = 0
+    escaped = quoted = False
+    for c in text:
+        if escaped:
+            escaped = False
+        elif c == "\\":
+            escaped = True
+        elif quotes and c == '"':
+            quoted = not quoted
+        elif quoted:
+            continue
+        elif c in "([{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in ")]}":
+            depth -= 1
+    if deepest > limit:
+        raise ValueError(f"{where} nests {deepest} levels of brackets, more than the server's "
+                         f"limit of {limit} (max_grammar_nesting)")
 
 
 def _nesting_exceeds(spec: str | dict, limit: int) -> bool:

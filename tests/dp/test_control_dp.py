@@ -77,7 +77,7 @@ async def test_pause_modes_sleep_and_collective_rpc_on_two_ranks(monkeypatch):
             blocks = llm.engine_core.num_blocks
             assert await llm.collective_rpc(rank_blocks) == [blocks[0], blocks[1]]
             assert await llm.collective_rpc("check_can_sleep", args=(1,)) == [None, None]
-            with pytest.raises(RuntimeError, match="no public method"):
+            with pytest.raises(ValueError, match="no public method"):
                 await llm.collective_rpc("_update_states")
             await llm.start_weight_update()
             await llm.finish_weight_update("v1")
@@ -89,7 +89,7 @@ async def test_pause_modes_sleep_and_collective_rpc_on_two_ranks(monkeypatch):
 async def test_a_function_is_refused_by_engines_not_allowed_to_unpickle(monkeypatch):
     monkeypatch.delenv("MINICORE_ALLOW_INSECURE_SERIALIZATION", raising=False)
     async with dp_client(simulated_dp_config(2)) as llm:
-        with pytest.raises(RuntimeError, match="MINICORE_ALLOW_INSECURE_SERIALIZATION=1"):
+        with pytest.raises(ValueError, match="MINICORE_ALLOW_INSECURE_SERIALIZATION=1"):
             await asyncio.wait_for(llm.collective_rpc(rank_blocks), TIMEOUT_S)
         with pytest.raises(ValueError, match="mode must be one of"):
             await llm.pause_generation(mode="soon")

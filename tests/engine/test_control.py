@@ -240,7 +240,9 @@ def test_weight_update_from_a_file_changes_outputs_to_transformers_with_the_new_
                              pad_token_id=tokenizer.eos_token_id)
         assert out[0, prompt.shape[1]:].tolist() == ids
     save_file({name: original.contiguous()}, str(new))
-    llm.collective_rpc("load_weights", args=(str(new),))  # the original back, for the module
+    llm.start_weight_update()  # the original back, for the module
+    llm.update_weights({"path": str(new)})
+    llm.finish_weight_update()
     assert greedy(llm) == before
 
 

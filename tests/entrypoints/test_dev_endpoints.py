@@ -1,7 +1,9 @@
 """vLLM's development and RL endpoints (VLLM_SERVER_DEV_MODE=1) on a real server: each answers
 as vLLM's, moves the engines' state (and the engine_sleep_state gauge) as it says, refuses bad
-arguments with a 400 OpenAI error body and changes nothing then; without the switch none is
-mounted. The RL weight sync example runs against a DP=2 server on the real model."""
+arguments and caller mistakes (a runner method the engine owns through collective_rpc, a weight
+update not started) with a 400 OpenAI error body and changes nothing then; with --api-key each
+needs the key; without the switch none is mounted. The RL weight sync example runs against a
+DP=2 server on the real model."""
 
 import subprocess
 import sys
@@ -30,14 +32,36 @@ def complete(http: httpx.Client) -> httpx.Response:
                                               "max_tokens": 4})
 
 
-def test_the_dev_endpoints_drive_the_engine(monkeypatch):
+DEV_ROUTES = [("post", "/sleep"), ("post", "/wake_up"), ("get", "/is_sleeping"),
+              ("post", "/pause"), ("post", "/resume"), ("get", "/is_paused"),
+              ("post", "/collective_rpc"), ("post", "/start_weight_update"),
+              ("post", "/update_weights"), ("post", "/finish_weight_update"),
+              ("get", "/weight_info")]
+API_KEY = "dev-secret"
+
+
+def test_the_dev_endpoints_drive_the_engine(monkeypatch, tmp_path):
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
-    with ServerProcess("--runner", "simulated") as server, \
-            httpx.Client(base_url=server.url, timeout=60) as http:
+    with ServerProcess("--runner", "simulated", "--api-key", API_KEY) as server, \
+            httpx.Client(base_url=server.url, timeout=60,
+                         headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+        # --api-key guards every dev route (vLLM leaves them open): no key or a wrong one is a
+        # 401 that reaches no engine.
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            for method, path in DEV_ROUTES:
+                response = httpx.request(method.upper(), server.url + path, headers=headers,
+                                         json={"method": "sleep", "args": [1]})
+                assert response.status_code == 401, (path, response.text)
+                assert response.json()["error"]["code"] == 401
+        assert httpx.get(server.url + "/health").status_code == 200  # open, as vLLM's
+
         assert gauge(http) == {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
         assert http.post("/sleep", params={"level": 1}).status_code == 200
         assert http.get("/is_sleeping").json() == {"is_sleeping": True}
         assert gauge(http) == {"awake": 0, "weights_offloaded": 1, "discard_all": 0}
+        # Asleep already at that level: idempotent, as vLLM's; another level is a 400.
+        assert http.post("/sleep", params={"level": 1}).status_code == 200
+        assert http.post("/sleep", params={"level": 2}).status_code == 400
         assert http.post("/resume").status_code == 400  # asleep: wake_up resumes
         assert http.post("/wake_up", params={"tags": "weights"}).status_code == 200
         assert http.get("/is_sleeping").json() == {"is_sleeping": True}
@@ -69,7 +93,21 @@ def test_the_dev_endpoints_drive_the_engine(monkeypatch):
             assert response.status_code == 400, (path, kwargs, response.text)
             assert response.json()["error"]["code"] == 400
         rpc = http.post("/collective_rpc", json={"method": "_update_states"})
-        assert rpc.status_code == 500 and "no public method" in rpc.json()["error"]["message"]
+        assert rpc.status_code == 400 and "no public method" in rpc.json()["error"]["message"]
+        # The runner methods whose effects the engine keeps track of are refused by name, so
+        # that no RPC frees the KV cache or weights under a running batch.
+        for method, args in (("sleep", [1]), ("wake_up", [["weights"], 1]),
+                             ("init_kv_cache", []), ("load_weights", [str(tmp_path)]),
+                             ("execute_dummy_batch", [])):
+            rpc = http.post("/collective_rpc", json={"method": method, "args": args})
+            assert rpc.status_code == 400, (method, rpc.text)
+            assert f"{method!r} changes state the engine keeps" in rpc.json()["error"]["message"]
+        # A weight update's steps out of order are the caller's mistake.
+        weights = tmp_path / "model.safetensors"
+        weights.write_bytes(b"")
+        response = http.post("/update_weights", json={"update_info": {"path": str(weights)}})
+        assert response.status_code == 400, response.text
+        assert "start_weight_update first" in response.json()["error"]["message"]
         # Nothing above left the engine paused or asleep.
         assert http.get("/is_paused").json() == {"is_paused": False}
         assert complete(http).status_code == 200
