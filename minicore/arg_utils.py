@@ -17,7 +17,7 @@ import re
 import types
 from dataclasses import field, fields
 from pathlib import Path
-from typing import Any, get_args, get_origin, get_type_hints
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 # generation_config.json keys that are sampling defaults, in vLLM's order (get_diff_sampling_param).
 _SAMPLING_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature",
@@ -185,6 +185,22 @@ def json_object(value: str | dict, cls: type) -> dict:
         if not _json_value_fits(item, hints[key]):
             raise ValueError(f"{key} must be {_describe_type(hints[key])}, got {json.dumps(item)}")
     return value
+
+
+def check_choices(record) -> None:
+    """ValueError naming the first of record's Literal-typed fields that holds another value."""
+    for name, annotation in get_type_hints(type(record)).items():
+        choices = get_args(annotation) if get_origin(annotation) is Literal else None
+        if choices and (value := getattr(record, name)) not in choices:
+            raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got "
+                             f"{value!r}")
+
+
+def check_at_least(record, **minimums: int) -> None:
+    """ValueError naming the first of record's fields below its minimum."""
+    for name, minimum in minimums.items():
+        if (value := getattr(record, name)) < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 # A JSON value's Python types for each annotation a config field has: strict, as JSON itself is

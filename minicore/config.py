@@ -14,6 +14,8 @@ from typing import Literal
 
 from minicore.arg_utils import (
     RUNTIME,
+    check_at_least,
+    check_choices,
     config_record,
     flag,
     human_readable_int,
@@ -74,18 +76,10 @@ class SchedulerConfig:
               "no faster (docs/BENCHMARKS.md)")
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1 and (name, getattr(self, name)) != ("max_model_len", -1):
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError("long_prefill_token_threshold must be >= 0, got "
-                             f"{self.long_prefill_token_threshold}")
-        if self.balance_threshold not in ("full", "one-short"):
-            raise ValueError("balance_threshold must be 'full' or 'one-short', got "
-                             f"{self.balance_threshold!r}")
-        if self.balance_count_sync not in ("all-gather", "all-reduce-max"):
-            raise ValueError("balance_count_sync must be 'all-gather' or 'all-reduce-max', got "
-                             f"{self.balance_count_sync!r}")
+        check_at_least(self, max_num_seqs=1, max_num_batched_tokens=1,
+                       max_model_len=1 if self.max_model_len != -1 else -1,
+                       long_prefill_token_threshold=0)
+        check_choices(self)
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
@@ -109,8 +103,7 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {memory}")
         if not 0 < (fraction := self.gpu_memory_utilization) <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        check_at_least(self, block_size=1)
         if (num_blocks := self.num_blocks) is not None and num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
 
@@ -159,8 +152,7 @@ class ParallelConfig:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} {getattr(self, name)} is not supported by minicore: "
                                  "only 1 (scale out with --data-parallel-size)")
-        if self.data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        check_at_least(self, data_parallel_size=1)
         if self.data_parallel_size_local is None:
             self.data_parallel_size_local = self.data_parallel_size - self.data_parallel_start_rank
         if self.data_parallel_backend == "ray":
@@ -224,13 +216,10 @@ class EngineConfig:
         if self.speculative_config is not None and not runner_info(runner).has_logits:
             raise ValueError(f"the {runner} runner has no model to verify drafts against: "
                              "--speculative-config needs --runner transformers")
-        max_model_len = self.scheduler_config.max_model_len
-        if (self.speculative_config is not None and max_model_len > 0
-                and self.speculative_config.num_speculative_tokens >= max_model_len):
-            # Checked again once auto (-1) is resolved: a config is rebuilt with the model's.
-            raise ValueError(f"speculative_config: num_speculative_tokens "
-                             f"({self.speculative_config.num_speculative_tokens}) must be less "
-                             f"than max_model_len ({max_model_len})")
+        spec, max_len = self.speculative_config, self.scheduler_config.max_model_len
+        if spec is not None and 0 < max_len <= (drafts := spec.num_speculative_tokens):
+            raise ValueError(f"speculative_config: num_speculative_tokens ({drafts}) must be less "
+                             f"than max_model_len ({max_len})")
         if self.scheduler_config.async_scheduling and (reason := self._async_unsupported()):
             raise ValueError(f"--async-scheduling does not support {reason}")
 

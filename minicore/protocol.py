@@ -157,8 +157,7 @@ class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     call_id: int
     result: Any = None
     failure_message: str | None = None
-    # The failure was the caller's: arguments, or a call the engine's state refuses (a 4xx).
-    caller_error: bool = False
+    caller_error: bool = False  # the caller's (arguments, or a call the state refuses): a 4xx
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -62,6 +62,9 @@ class EngineControl:
 
     sleep_level = 0
     sleeping_tags: frozenset[str] = frozenset()
+    # The sleep still pausing (mode "wait" waits for the requests in flight): a wake_up
+    # meanwhile calls it off, so that the later call wins, as its caller expects.
+    _pending_sleep: object = None
     weight_version = "default"
     weight_update_open = False
 
@@ -113,10 +116,15 @@ class EngineControl:
             raise ValueError(f"the engine is already asleep (level {self.sleep_level}): wake it "
                              "up first")
         self.model_runner.check_can_sleep(level)
+        call = self._pending_sleep = object()
         pause = self.pause_scheduler(mode, clear_cache=True)
-        return self._then(pause, partial(self._release, level))
+        return self._then(pause, partial(self._release, level, call))
 
-    def _release(self, level: int):
+    def _release(self, level: int, call: object):
+        if call is not self._pending_sleep:  # a wake_up came while this sleep paused
+            self.resume_scheduler()
+            return None
+        self._pending_sleep = None
         # Asleep from now (resume is refused), while the runner frees its memory on its thread.
         self.sleep_level, self.sleeping_tags = level, frozenset(SLEEP_TAGS)
         release = partial(self.model_runner.sleep, level)
@@ -124,8 +132,9 @@ class EngineControl:
 
     def wake_up(self, tags: list[str] | None = None):
         """Bring back the memory of tags ("weights", "kv_cache"; None: both); once all is back,
-        scheduling resumes (vLLM's rule)."""
+        scheduling resumes (vLLM's rule). A sleep still pausing is called off."""
         waking = sorted(self.sleeping_tags & set(wake_tags(tags)))
+        self._pending_sleep = None
         # On the runner's thread: reloading a model's weights may take a while.
         restore = partial(self.model_runner.wake_up, waking, self.sleep_level)
         return self._then(self._on_forward_thread(restore, None), partial(self._woken, waking))

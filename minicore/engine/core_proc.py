@@ -103,7 +103,12 @@ class EngineCoreProc(ProcControl, EngineCore):
             if not handshake.poll(timeout=int(timeout * 1000)):
                 raise RuntimeError(f"the frontend did not answer this engine's HELLO within "
                                    f"{timeout:g} s (handshake socket {address})")
-            yield msgspec.msgpack.decode(handshake.recv(), type=dict[str, str])
+            try:
+                yield msgspec.msgpack.decode(handshake.recv(), type=dict[str, str])
+            except Exception as e:  # to the frontend at once: a headless rank's it cannot see
+                error = f"{type(e).__name__}: {e}"
+                handshake.send(msgspec.msgpack.encode({"status": "FAILED", "error": error}))
+                raise
             handshake.send(msgspec.msgpack.encode(
                 {"status": "READY", "engine_index": self.engine_index,
                  "num_gpu_blocks": self.config.cache_config.num_blocks}))

@@ -11,6 +11,8 @@ Startup handshake (the frontend binds, every engine connects, in any order):
   engine connects its DEALER input (identity = i as 2 bytes) and PUSH output, sends an empty frame
   on the input so the frontend's ROUTER learns its identity, builds its EngineCore (loads the
   model), then: engine -> frontend  READY {"status": "READY", "num_gpu_blocks": KV blocks}
+  or, if that failed, FAILED {"status": "FAILED", "error": why}: the frontend stops at once, naming
+  the engine and the cause (a headless rank's failure is otherwise seen only at the timeout)
 An engine that cannot start logs why (one line for a bad configuration or a port in use) and exits
 1; one still starting stops on SIGTERM/SIGINT within a second even when blocked in C++, as a DP
 rank waiting in torch's rendezvous is. Left out: Ray, elastic scaling, several API servers.
@@ -231,6 +233,8 @@ async def wait_for_engine_startup(handshake: zmq.asyncio.Socket, addresses: byte
             await handshake.send_multipart([identity, addresses])
         elif status == "READY" and index < num_engines and index not in waiting_hello:
             num_blocks[index] = message["num_gpu_blocks"]
+        elif status == "FAILED" and index < num_engines:
+            raise RuntimeError(f"engine core {index} failed to start: {message.get('error')}")
         else:
             raise RuntimeError(f"engine handshake: unexpected {message!r} from engine {index} "
                                f"(a DP rank started twice, or outside the data parallel size "

@@ -15,7 +15,8 @@ Beyond the toy: an instance's HTTP error reaches the client with its status and 
 an OpenAI error body if it was not JSON); an instance that cannot be reached is a 503, one whose
 answer breaks off or is not JSON a 502 (an error event, for a stream already under way); a client
 that goes away closes the upstream request, so the instance aborts it; SIGTERM/SIGINT end the
-proxy cleanly with exit status 0. /health answers while the proxy runs; /v1/models is the first
+proxy cleanly with exit status 0; a connection that sends nothing is closed after the server's
+deadlines (HttpLimits). /health answers while the proxy runs; /v1/models is the first
 decode instance's. Left out: the toy's OPENAI_API_KEY (the client's Authorization header is
 forwarded instead), load-aware routing, retries on another instance.
 """
@@ -34,6 +35,7 @@ from fastapi.responses import Response
 
 from minicore.entrypoints.openai_protocol import SSE_DONE, OpenAIError, make_error, sse
 from minicore.entrypoints.utils import (
+    HttpLimits,
     SSEResponse,
     error_response,
     exit_zero_after_shutdown_signals,
@@ -253,10 +255,12 @@ def proxy_main(args: argparse.Namespace) -> None:
 
     configure_logging("Proxy")
     proxy = Proxy(args.prefill, args.decode)
+    # The server's connection deadlines: silent sockets are closed, not held until the proxy
+    # runs out of file descriptors and locks every client out.
     server = uvicorn.Server(uvicorn.Config(
         build_proxy_app(proxy), host=args.host, port=args.port,
         log_level=args.uvicorn_log_level, log_config=uvicorn_log_config(args.uvicorn_log_level),
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **HttpLimits().uvicorn_kwargs()))
     exit_zero_after_shutdown_signals()
     logger.info("proxy on http://%s:%d: prefill %s, decode %s", args.host, args.port,
                 ", ".join(proxy.prefill_urls), ", ".join(proxy.decode_urls))

@@ -85,9 +85,13 @@ class StructuredOutputManager:
         still = []
         for request in self._compiling:
             so_request = request.structured_output_request
-            if not so_request.compiled.done():
+            if request.is_finished():
+                # Its client left while it compiled: a compile still queued is dropped, so that
+                # grammars nobody waits for do not hold back the ones behind them.
+                so_request.compiled.cancel()
+            elif not so_request.compiled.done():
                 still.append(request)
-            elif request.status is RequestStatus.WAITING_FOR_FSM:
+            else:
                 self._start_matcher(request, so_request)
         self._compiling = still
 

@@ -13,6 +13,8 @@ of them starts:
   message for the first difference, whatever the number of ranks.
 - ranks that disagree on --data-parallel-size, which no fingerprint can carry (the group forms
   from it): both fail at once in the rendezvous, naming it.
+- a headless rank that agrees but fails to start: the frontend stops at once, naming the rank
+  and the cause (the engine's FAILED handshake message).
 A matching frontend and headless pair still serves: tests/dp/test_dp_server.py.
 """
 
@@ -95,20 +97,18 @@ def _left_running(pgid: int, timeout: float = 10.0) -> list[str]:
         time.sleep(0.2)
 
 
-def test_a_dtype_mismatch_stops_the_server_and_the_headless_rank_naming_it():
-    dp = ["--data-parallel-size", "2", "--data-parallel-size-local", "1",
-          "--data-parallel-rpc-port", str(free_port_pair())]
-    server, server_log = _start(["--port", str(free_port()), "--dtype", "float32", *dp])
-    headless, headless_log = _start(["--headless", "--data-parallel-start-rank", "1", *dp],
-                                    env={"MINICORE_CPU_FLAGS": BF16_CPU_FLAGS})
+@contextlib.contextmanager
+def _stopped_pair(server_args: list[str], headless_args: list[str], headless_env=None):
+    """A frontend (rank 0) and a headless rank 1, both expected to stop by themselves within
+    STOP_TIMEOUT_S: yields their exit statuses and outputs; kills whatever is left after."""
+    server, server_log = _start(["--port", str(free_port()), *server_args])
+    headless, headless_log = _start(["--headless", "--data-parallel-start-rank", "1",
+                                     *headless_args], env=headless_env)
     try:
         server.wait(STOP_TIMEOUT_S)
         headless.wait(STOP_TIMEOUT_S)
-        server_out, headless_out = server_log.read_text(), headless_log.read_text()
-        assert server.returncode != 0 and headless.returncode != 0, (server_out, headless_out)
-        for out in (server_out, headless_out):
-            assert out.count(DTYPE_MISMATCH) == 1, out
-        assert "minicore: the engine did not start" in server_out
+        yield ((server.returncode, server_log.read_text()),
+               (headless.returncode, headless_log.read_text()))
         # Every engine process went with its launcher (each launcher leads its process group).
         assert _left_running(server.pid) == [] and _left_running(headless.pid) == []
     finally:
@@ -117,6 +117,29 @@ def test_a_dtype_mismatch_stops_the_server_and_the_headless_rank_naming_it():
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
             log.unlink(missing_ok=True)
+
+
+def test_a_dtype_mismatch_stops_the_server_and_the_headless_rank_naming_it():
+    dp = ["--data-parallel-size", "2", "--data-parallel-size-local", "1",
+          "--data-parallel-rpc-port", str(free_port_pair())]
+    with _stopped_pair(["--dtype", "float32", *dp], dp,
+                       {"MINICORE_CPU_FLAGS": BF16_CPU_FLAGS}) as (server, headless):
+        assert server[0] != 0 and headless[0] != 0, (server[1], headless[1])
+        for _, out in (server, headless):
+            assert out.count(DTYPE_MISMATCH) == 1, out
+        assert "minicore: the engine did not start" in server[1]
+
+
+def test_a_headless_rank_that_fails_to_start_stops_the_frontend_at_once_naming_it():
+    """Rank 1 (headless, another machine's) agrees with rank 0 but cannot start (its KV cache
+    holds no request): the frontend stops as soon as rank 1 has failed, naming the rank and the
+    cause, not at its 300 s start-up timeout."""
+    dp = ["--runner", "simulated", "--data-parallel-size", "2", "--data-parallel-size-local", "1",
+          "--data-parallel-rpc-port", str(free_port_pair())]
+    with _stopped_pair(dp, ["--kv-cache-memory", "1000", *dp]) as (server, headless):
+        assert server[0] != 0 and headless[0] != 0, server[1]
+        assert ("minicore: the engine did not start: engine core 1 failed to start: "
+                "ValueError: the KV cache has room for 0 blocks") in server[1], server[1]
 
 
 # ------------------------------------------------------------------ in process, on a gloo group

@@ -3,7 +3,9 @@ session (process group), so that whatever it started is killed at the end whatev
 
 import json
 import os
+import selectors
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -142,3 +144,23 @@ async def stream_events(http: httpx.AsyncClient, body: dict, started, headers=No
                 events.append(json.loads(line[6:]))
                 started.set()
     return events
+
+
+def seconds_until_closed(socks: list[socket.socket], limit_s: float) -> list[float]:
+    """For each socket, the seconds until the server closed it (EOF or reset; inf if it is
+    still open after limit_s)."""
+    t0 = time.monotonic()
+    closed = {}
+    with selectors.DefaultSelector() as selector:
+        for s in socks:
+            selector.register(s, selectors.EVENT_READ)
+        while len(closed) < len(socks) and time.monotonic() - t0 < limit_s:
+            for key, _ in selector.select(timeout=0.1):
+                try:
+                    data = key.fileobj.recv(4096)
+                except ConnectionError:
+                    data = b""
+                if not data:
+                    closed[key.fileobj] = time.monotonic() - t0
+                    selector.unregister(key.fileobj)
+    return [closed.get(s, float("inf")) for s in socks]

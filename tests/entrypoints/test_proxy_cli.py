@@ -1,13 +1,15 @@
 """`python -m minicore proxy` on the command line: --help, missing or malformed instance URLs
-refused, and SIGTERM ending it with exit status 0."""
+refused, a silent connection closed at the server's keep-alive deadline, and SIGTERM ending it
+with exit status 0."""
 
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 import httpx
-from server_helpers import free_port
+from server_helpers import free_port, seconds_until_closed
 
 
 def _cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
@@ -38,6 +40,11 @@ def test_cli_proxy_exits_0_on_sigterm():
                     break
             except httpx.HTTPError:
                 time.sleep(0.1)
+        # A connection that sends nothing is closed at the server's keep-alive deadline (5 s),
+        # not held until the proxy has no file descriptor left for real clients.
+        with socket.create_connection(("127.0.0.1", port)) as silent:
+            (after,) = seconds_until_closed([silent], 10)
+        assert 4.5 < after < 8, after
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0, proc.stdout.read()
     finally:

@@ -11,7 +11,6 @@ the tests are fast, and an open-file limit of FD_LIMIT so that running out of fi
 import asyncio
 import json
 import os
-import selectors
 import shutil
 import socket
 import subprocess
@@ -21,7 +20,7 @@ import time
 import httpx
 import psutil
 import pytest
-from server_helpers import ServerProcess, check_openai_error
+from server_helpers import ServerProcess, check_openai_error, seconds_until_closed
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 256
@@ -148,31 +147,11 @@ def test_too_many_headers_are_refused(server):
 # ---------------------------------------------------------------------------------- connections
 
 
-def _seconds_until_closed(socks: list[socket.socket], limit_s: float) -> list[float]:
-    """For each socket, the seconds until the server closed it (EOF or reset; inf if it is
-    still open after limit_s)."""
-    t0 = time.monotonic()
-    closed = {}
-    with selectors.DefaultSelector() as selector:
-        for s in socks:
-            selector.register(s, selectors.EVENT_READ)
-        while len(closed) < len(socks) and time.monotonic() - t0 < limit_s:
-            for key, _ in selector.select(timeout=0.1):
-                try:
-                    data = key.fileobj.recv(4096)
-                except ConnectionError:
-                    data = b""
-                if not data:
-                    closed[key.fileobj] = time.monotonic() - t0
-                    selector.unregister(key.fileobj)
-    return [closed.get(s, float("inf")) for s in socks]
-
-
 def test_a_silent_connection_is_closed_within_the_keep_alive_bound(server):
     """A connection that never sends a byte (uvicorn kept it for ever): closed after
     --timeout-keep-alive."""
     with socket.create_connection(("127.0.0.1", server.port)) as s:
-        (after,) = _seconds_until_closed([s], KEEP_ALIVE_S + SLACK_S)
+        (after,) = seconds_until_closed([s], KEEP_ALIVE_S + SLACK_S)
     assert KEEP_ALIVE_S - 0.2 < after < KEEP_ALIVE_S + SLACK_S, after
     _assert_serving(server.url)
 
@@ -188,7 +167,7 @@ def test_a_request_sent_slowly_is_closed_at_the_read_deadline(server):
                 s.sendall(b"a")
             except ConnectionError:
                 break
-            if _seconds_until_closed([s], 0.25) != [float("inf")]:
+            if seconds_until_closed([s], 0.25) != [float("inf")]:
                 break
         after = time.monotonic() - t0
     assert READ_S - 0.3 < after < READ_S + SLACK_S, after
@@ -201,7 +180,7 @@ def test_more_silent_connections_than_open_files_do_not_lock_clients_out(server)
     bound, and then the server serves again."""
     socks = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(FD_LIMIT + 50)]
     try:
-        closed = _seconds_until_closed(socks, KEEP_ALIVE_S + SLACK_S)
+        closed = seconds_until_closed(socks, KEEP_ALIVE_S + SLACK_S)
     finally:
         for s in socks:
             s.close()

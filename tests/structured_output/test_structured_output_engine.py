@@ -5,6 +5,7 @@ error; a bad constraint is refused before it reaches the engine; refused pairs s
 
 import json
 import re
+import threading
 import time
 
 import jsonschema
@@ -161,6 +162,26 @@ def test_an_abort_while_the_grammar_compiles_leaves_nothing(llm):
     assert engine.scheduler.requests["a"].status == RequestStatus.WAITING_FOR_FSM
     engine.abort_requests(["a"])
     assert run_engine(engine) == {}
+    assert_idle(llm)
+
+
+def test_a_compile_whose_request_left_is_dropped_and_holds_nothing_back(llm):
+    """Grammars compile one at a time: one queued for a request aborted meanwhile (its client
+    left) is cancelled, so that the next request's grammar is not kept waiting behind it."""
+    engine = llm.llm_engine
+    manager = engine.structured_output_manager
+    gate = threading.Event()
+    manager.executor.submit(gate.wait, 30)  # the compiling thread, busy
+    engine.add_request(Request("left", [1, 2, 3], structured(json={
+        "type": "object", "properties": {"left": {"type": "integer"}}}), eos_token_id=0))
+    engine.add_request(Request("stays", [1, 2, 3], structured(max_tokens=4, choice=["x", "y"]),
+                                eos_token_id=0))
+    left = engine.scheduler.requests["left"].structured_output_request.compiled
+    engine.abort_requests(["left"])
+    engine.step_fn()
+    assert left.cancelled()
+    gate.set()
+    assert set(run_engine(engine)) == {"stays"}
     assert_idle(llm)
 
 
