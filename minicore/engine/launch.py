@@ -11,8 +11,8 @@ Startup handshake (the frontend binds, every engine connects, in any order):
   engine connects its DEALER input (identity = i as 2 bytes) and PUSH output, sends an empty frame
   on the input so the frontend's ROUTER learns its identity, builds its EngineCore (loads the
   model), then: engine -> frontend  READY {"status": "READY", "num_gpu_blocks": KV blocks}
-  or, if that failed, FAILED {"status": "FAILED", "error": why}: the frontend stops at once, naming
-  the engine and the cause (a headless rank's failure is otherwise seen only at the timeout)
+  or, if that failed, FAILED {"status": "FAILED", "error": why}: for a rank on another machine the
+  frontend stops at once, naming it and the cause (a local engine's exit already tells it)
 An engine that cannot start logs why (one line for a bad configuration or a port in use) and exits
 1; one still starting stops on SIGTERM/SIGINT within a second even when blocked in C++, as a DP
 rank waiting in torch's rendezvous is. Left out: Ray, elastic scaling, several API servers.
@@ -45,6 +45,8 @@ logger = init_logger(__name__)
 STOP_TIMEOUT_S = 5.0
 # How long an engine still starting may take to act on SIGTERM/SIGINT before it is made to exit.
 STARTUP_SIGNAL_GRACE_S = 1.0
+# How long a frontend told that a remote rank failed waits for its own engines' exits.
+REMOTE_FAILURE_GRACE_S = 3.0
 
 
 def resolve_model(config: EngineConfig) -> EngineConfig:
@@ -124,7 +126,8 @@ def run_engine_core(config: EngineConfig, handshake_address: str, engine_index: 
         logger.info("EngineCore exiting.")
         raise
     except Exception as e:
-        fatal = True
+        # Exiting already: a SIGTERM from the frontend now must not raise into the teardown.
+        fatal = shutdown_requested = True
         if engine_core is None and isinstance(e, (ValueError, ListenError)):
             # A configuration the engine cannot run (KV cache too small, unsupported model, a
             # port in use): the message says it all; the traceback only at debug level.
@@ -234,7 +237,15 @@ async def wait_for_engine_startup(handshake: zmq.asyncio.Socket, addresses: byte
         elif status == "READY" and index < num_engines and index not in waiting_hello:
             num_blocks[index] = message["num_gpu_blocks"]
         elif status == "FAILED" and index < num_engines:
-            raise RuntimeError(f"engine core {index} failed to start: {message.get('error')}")
+            # A local engine's exit says it (engine_exited), after its own log line; a rank on
+            # another machine (headless) has only this to tell its frontend.
+            if index not in local_ranks:
+                # Ranks that disagree fail together: a local engine's exit, if it comes, is told
+                # instead (its log line already names the cause).
+                await asyncio.wait({engine_exited}, timeout=REMOTE_FAILURE_GRACE_S)
+                if engine_exited.done():
+                    raise _startup_error(what, engine_exited, [])
+                raise RuntimeError(f"engine core {index} failed to start: {message.get('error')}")
         else:
             raise RuntimeError(f"engine handshake: unexpected {message!r} from engine {index} "
                                f"(a DP rank started twice, or outside the data parallel size "
