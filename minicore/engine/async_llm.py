@@ -155,7 +155,8 @@ class AsyncLLM:
 
     async def call_utility(self, method: str, *args, engine_index: int = 0) -> Any:
         """Call an engine utility method (EngineControl's, minicore/engine/control.py) on one
-        engine; RuntimeError with the engine's message if it failed there."""
+        engine; ValueError with the engine's message if it refused the call (its arguments, or
+        its state), RuntimeError if it failed there."""
         return await self.engine_core.call_utility_async(method, *args, engine_index=engine_index)
 
     async def call_utility_all(self, method: str, *args) -> list:
