@@ -137,7 +137,7 @@ def validate_structured_outputs(params: StructuredOutputsParams,
     if params.json is not None:
         _check_json_schema(params.json, max_nesting)
     elif kind in ("regex", "grammar"):
-        _check_nesting(spec, f"structured_outputs.{kind}", max_nesting, quotes=kind == "grammar")
+        _check_nesting(spec, f"structured_outputs.{kind}", max_nesting)
     build_grammar(params)
 
 
@@ -187,25 +187,23 @@ def _check_schema_node(node, where: str, max_nesting: int) -> None:
             _check_schema_node(value, at, max_nesting)
 
 
-def _check_nesting(text: str, where: str, limit: int, quotes: bool = False) -> None:
-    """ValueError if brackets nest deeper than limit in a regex or grammar (escaped characters,
-    and quoted literals where quotes, do not count)."""
+def _check_nesting(text: str, where: str, limit: int) -> None:
+    """ValueError if brackets nest deeper than limit in a regex or grammar. Every unescaped
+    bracket counts, inside quotes and character classes too (a quote in `[^"]` must not hide
+    what follows), and closers never take the depth below zero (`[)]` repeated must not pay for
+    openers after it): an overcount at worst, never an undercount."""
     depth = deepest = 0
-    escaped = quoted = False
+    escaped = False
     for c in text:
         if escaped:
             escaped = False
         elif c == "\\":
             escaped = True
-        elif quotes and c == '"':
-            quoted = not quoted
-        elif quoted:
-            continue
         elif c in "([{":
             depth += 1
             deepest = max(deepest, depth)
         elif c in ")]}":
-            depth -= 1
+            depth = max(0, depth - 1)
     if deepest > limit:
         raise ValueError(f"{where} nests {deepest} levels of brackets, more than the server's "
                          f"limit of {limit} (max_grammar_nesting)")

@@ -80,6 +80,18 @@ def test_deeply_nested_grammars_are_refused_before_the_compiler_sees_them(http, 
     assert f"limit of {MAX_GRAMMAR_NESTING} (max_grammar_nesting)" in error["message"], error
 
 
+@pytest.mark.parametrize("constraint", [
+    {"grammar": 'root ::= [^"] ' + _nested(30_000).replace("a", '"a"')},
+    {"regex": "[)]" * 1_000 + _nested(30_000)},
+], ids=["quote in a class", "closers first"])
+def test_the_nesting_check_cannot_be_talked_down(http, constraint):
+    """What could make a bracket count miss deep nesting: a quote that is not a string's (in a
+    character class), and closers before the openers."""
+    error = _refused(http, "/v1/completions", {"prompt": "x", "max_tokens": 2,
+                                               "structured_outputs": constraint})
+    assert "nests 30000 levels of brackets" in error["message"], error
+
+
 def test_a_grammar_over_the_size_limit_is_refused(http):
     error = _refused(http, "/v1/completions", {"prompt": "x", "max_tokens": 2,
                                                "structured_outputs": {
