@@ -133,7 +133,11 @@ def _serve(args: argparse.Namespace) -> None:
 
     import uvloop
 
+    from minicore.engine.launch import START_METHOD_ENV
     from minicore.entrypoints.api_server import run_server
+
+    # This process computes nothing with torch: its engines can fork (engine_start_method).
+    os.environ.setdefault(START_METHOD_ENV, "fork")
 
     if args.headless:
         from minicore.dp.launch import run_headless

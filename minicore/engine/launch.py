@@ -47,6 +47,7 @@ STOP_TIMEOUT_S = 5.0
 STARTUP_SIGNAL_GRACE_S = 1.0
 # How long a frontend told that a remote rank failed waits for its own engines' exits.
 REMOTE_FAILURE_GRACE_S = 3.0
+START_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 
 
 def resolve_model(config: EngineConfig) -> EngineConfig:
@@ -90,8 +91,12 @@ def resolve_max_model_len(config: EngineConfig, hf_config: dict,
 
 def run_engine_core(config: EngineConfig, handshake_address: str, engine_index: int = 0, *,
                     handshake_timeout: float = HANDSHAKE_TIMEOUT_S) -> None:
-    """Entry point of an engine process (multiprocessing "spawn"): handshake, load the model, serve
-    until SIGTERM/SIGINT (exit 0) or a fatal error (ENGINE_CORE_DEAD, exit 1)."""
+    """Entry point of an engine process (forked or spawned: engine_start_method): handshake, load
+    the model, serve until SIGTERM/SIGINT (exit 0) or a fatal error (ENGINE_CORE_DEAD, exit 1)."""
+    # A forked engine inherits the frontend's running event loop as its own: forget it, or
+    # uvloop.run below refuses to start.
+    asyncio._set_running_loop(None)
+    name_process(f"EngineCore_DP{engine_index}")
     configure_engine_process(config, engine_index)
     shutdown_requested = False
 
@@ -208,7 +213,37 @@ def configure_engine_process(config: EngineConfig, engine_index: int) -> None:
         torch.set_num_threads(int(threads))
 
 
+def name_process(name: str) -> None:
+    """The name `ps`, `top` and psutil show for this process (Linux: its comm, 15 characters), as
+    vLLM titles its engine processes: a forked engine's command line is its frontend's."""
+    with contextlib.suppress(OSError):
+        with open("/proc/self/comm", "w") as comm:
+            comm.write(name[:15])
+
+
 # ---- in the process that starts them (the frontend, or a headless launcher) -------------------
+
+def engine_start_method(config: EngineConfig) -> str:
+    """How this process starts its engine processes: VLLM_WORKER_MULTIPROC_METHOD (vLLM's
+    variable: fork or spawn; unset, spawn), fork turned into spawn where the engines will run on
+    CUDA, as vLLM's _maybe_force_spawn (a forked child cannot use a CUDA its parent has touched).
+    fork suits only a process that has run no torch computation: OpenMP's thread pool, once
+    started, hangs a forked child's first parallel region. `serve` asks for it (its frontend only
+    loads a tokenizer): each engine then starts with the frontend's imports, about 7 s of CPU
+    less (docs/BENCHMARKS.md). An application embedding AsyncLLM keeps spawn unless it sets it."""
+    method = os.environ.get(START_METHOD_ENV, "spawn")
+    if method not in ("fork", "spawn"):
+        raise ValueError(f"{START_METHOD_ENV} must be fork or spawn, got {method!r}")
+    mc = config.model_config
+    if (method == "fork" and runner_info(mc.runner).needs_weights
+            and not (mc.device or "").startswith("cpu")):
+        import torch
+
+        if torch.cuda.is_available():
+            logger.info("engines start by spawn, not fork: they run on CUDA")
+            return "spawn"
+    return method
+
 
 async def wait_for_engine_startup(handshake: zmq.asyncio.Socket, addresses: bytes,
                                   num_engines: int, local_ranks, deadline: float,
@@ -262,12 +297,12 @@ def _startup_error(what: str, engine_exited: asyncio.Future, remote: list[int]) 
 
 
 class CoreEngineProcManager:
-    """This machine's engine processes ("spawn"), one per local DP rank, by rank. They are
-    daemons: they do not outlive the process that started them."""
+    """This machine's engine processes, one per local DP rank, by rank. They are daemons: they
+    do not outlive the process that started them."""
 
     def __init__(self, config: EngineConfig, handshake_address: str):
         self.procs: dict[int, multiprocessing.Process] = {}
-        context = multiprocessing.get_context("spawn")
+        context = multiprocessing.get_context(engine_start_method(config))
         for local_rank, rank in enumerate(config.parallel_config.local_ranks):
             proc = context.Process(target=run_engine_core, name=f"EngineCore_DP{rank}",
                                    daemon=True, args=(config, handshake_address, rank))

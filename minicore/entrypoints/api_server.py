@@ -290,6 +290,9 @@ async def run_server(config: EngineConfig, args) -> None:
         sock = listen_on(args.host, args.port, "the API server", "--port")
     except RuntimeError as e:
         raise SystemExit(f"minicore: {e}") from None
+    # An engine forked from here must not hold the port: the server could not restart on it
+    # while an orphaned engine lives on.
+    os.register_at_fork(after_in_child=sock.close)
     with sock:
         await _serve(config, args, sock, await _start_engine(config))
 

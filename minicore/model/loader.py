@@ -9,6 +9,7 @@ A ``.gguf`` file is slow for transformers to convert, so the first load saves a 
 copy under ``$MINICORE_CACHE`` (default ``~/.cache/minicore``) and later loads read that copy. The
 copy is keyed by the GGUF's name, size and mtime, and written to a temporary directory that is
 renamed into place only when complete, so a crash never leaves a half-written cache entry behind.
+The conversion runs in a process of its own: see ``cached_conversion``.
 
 ``check_attention_supported`` refuses, at load, a model whose attention minicore's paged attention
 would compute wrong (vLLM has a backend for each; minicore has one): multi-head latent attention,
@@ -24,7 +25,10 @@ import hashlib
 import importlib.util
 import logging
 import os
+import re
 import shutil
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -205,7 +209,7 @@ def cached_conversion(gguf: Path, cache_dir: Path) -> Path:
     tmp = cache_dir / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     try:
         tmp.mkdir()
-        _convert_gguf(gguf, tmp)
+        _convert_in_subprocess(gguf, tmp)
         try:
             tmp.rename(target)
         except OSError:  # another process finished the same conversion first
@@ -216,13 +220,28 @@ def cached_conversion(gguf: Path, cache_dir: Path) -> Path:
     return target
 
 
+def _convert_in_subprocess(gguf: Path, out: Path) -> None:
+    """_convert_gguf in a fresh python: its torch computations would start this process's OpenMP
+    thread pool, after which a `serve` frontend could no longer fork its engines (a forked child
+    hangs in its first parallel region), and its float32 copy of every tensor leaves with it. A
+    plain subprocess, not multiprocessing's spawn, which would re-run a script's unguarded top
+    level."""
+    code = "import sys; from minicore.model.loader import _convert_gguf as c; c(*sys.argv[1:])"
+    done = subprocess.run([sys.executable, "-c", code, str(gguf), str(out)],
+                          stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        # The exception's message, without its class: "...ModelLoadError: could not load ..."
+        raise ModelLoadError(re.sub(r"^[\w.]+: ", "", last))
+
+
 def _cache_key(gguf: Path) -> str:
     st = gguf.stat()
     digest = hashlib.sha256(f"{gguf.name}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
     return f"{gguf.stem}-{digest[:16]}"
 
 
-def _convert_gguf(gguf: Path, out: Path) -> None:
+def _convert_gguf(gguf: str | Path, out: str | Path) -> None:
     """De-quantize ``gguf`` and save it as safetensors + config + generation config + tokenizer.
 
     transformers refuses ``save_pretrained`` on a GGUF-loaded model, so a fresh model is built from
@@ -231,6 +250,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    gguf = Path(gguf)
     loaded, tokenizer = _from_pretrained(gguf.parent, torch.float32, gguf_file=gguf.name)
     config = loaded.config
     del config.quantization_config

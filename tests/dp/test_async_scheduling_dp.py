@@ -10,16 +10,12 @@ spread over both ranks, greedy tokens equal to one in-process engine's without a
 
 import asyncio
 import random
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
 from dp_helpers import assert_all_engines_idle, dp_client, free_port_pair, wait_idle
+from server_helpers import ServerProcess
 from test_expert_parallel_serving import MAX_NUM_SEQS, greedy, served_tokens
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))
-from server_helpers import ServerProcess  # noqa: E402
 
 from minicore.config import create_engine_config  # noqa: E402
 from minicore.llm import LLM  # noqa: E402

@@ -22,8 +22,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -34,6 +32,7 @@ import pytest
 import torch
 from dp_helpers import free_port, free_port_pair
 from safetensors.torch import save_file
+from server_helpers import MINICORE, start_minicore
 
 from minicore.config import create_engine_config
 from minicore.dp.fingerprint import (
@@ -73,13 +72,9 @@ def _config(model: str, **engine_args):
 # ------------------------------------------------------------------ end to end
 
 
-def _start(args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
+def _start(args: list[str], env: dict[str, str] | None = None):
     log = Path(tempfile.mkstemp(prefix="minicore-agreement-", suffix=".log")[1])
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "minicore", "serve", *args], stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **(env or {})})
-    return proc, log
+    return start_minicore([*MINICORE, "serve", *args], log, env), log
 
 
 def _left_running(pgid: int, timeout: float = 10.0) -> list[str]:

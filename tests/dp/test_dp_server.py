@@ -17,7 +17,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -28,10 +27,7 @@ import psutil
 import pytest
 from dp_helpers import free_port_pair
 from prometheus_client.parser import text_string_to_metric_families
-
-# ServerProcess lives with the single-engine server tests.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))
-from server_helpers import STARTUP_TIMEOUT_S, ServerProcess
+from server_helpers import MINICORE, STARTUP_TIMEOUT_S, ServerProcess, is_engine, start_minicore
 
 from minicore.llm import LLM
 from minicore.sampling_params import SamplingParams
@@ -89,14 +85,10 @@ async def _engines_idle(http: httpx.AsyncClient) -> bool:
                for e in ("0", "1"))
 
 
-def _engine_processes(server: ServerProcess) -> list[psutil.Process]:
-    return [p for p in server.children() if "spawn_main" in " ".join(p.cmdline())]
-
-
 def _engines_by_rank(server: ServerProcess, rpc_port: int) -> tuple[psutil.Process, psutil.Process]:
-    """(rank 0, rank 1). The spawned processes have the same command line, but rank 0 is the one
+    """(rank 0, rank 1). The engine processes look alike, but rank 0 is the one
     that hosts the DP group's rendezvous (torch's TCPStore) on the rpc port."""
-    engines = _engine_processes(server)
+    engines = server.engine_processes()
     assert len(engines) == 2, engines
     hosts = [p for p in engines
              if any(c.status == psutil.CONN_LISTEN and c.laddr.port == rpc_port
@@ -139,7 +131,7 @@ async def test_dp2_real_model_matches_one_engine_and_waves_end_and_restart(refer
     rpc_port = free_port_pair()
     with ServerProcess("--data-parallel-size", "2", "--max-num-seqs", "8",
                        "--data-parallel-rpc-port", str(rpc_port), *SMALL) as server:
-        engines = _engine_processes(server)
+        engines = server.engine_processes()
         assert len(engines) == 2
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as http, \
                 asyncio.timeout(240):
@@ -199,17 +191,15 @@ class _Headless:
     """`serve --headless` in its own session; killed with its whole group at exit."""
 
     def __init__(self, *args: str):
-        self.args = [sys.executable, "-m", "minicore", "serve", "--headless", *args]
+        self.args = [*MINICORE, "serve", "--headless", *args]
         self.log_path = Path(tempfile.mkstemp(prefix="minicore-headless-", suffix=".log")[1])
-        self.proc: subprocess.Popen | None = None
+        self.proc = None
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
 
     def __enter__(self):
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+        self.proc = start_minicore(self.args, self.log_path)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -228,7 +218,7 @@ async def test_headless_rank_serves_and_stops_when_the_frontend_goes():
     with _Frontend(*dp) as server, _Headless("--data-parallel-start-rank", "1", *dp) as headless:
         await asyncio.wait_for(asyncio.to_thread(server.wait_healthy), STARTUP_TIMEOUT_S + 10)
         assert headless.proc.poll() is None, headless.output()
-        assert len(_engine_processes(server)) == 1  # rank 0; rank 1 runs in the headless one
+        assert len(server.engine_processes()) == 1  # rank 0; rank 1 runs in the headless one
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as http, \
                 asyncio.timeout(60):
             to_rank1 = [_complete(http, f"remote {i}", **{RANK: "1"}) for i in range(3)]
@@ -328,9 +318,9 @@ async def test_expert_parallel_rank_killed_mid_wave_is_reported_by_its_peer(moe_
           str(64 << 20), "--dtype", "float32"]
     with _Frontend(*dp) as server, _Headless("--data-parallel-start-rank", "1", *dp) as headless:
         await asyncio.wait_for(asyncio.to_thread(server.wait_healthy), STARTUP_TIMEOUT_S + 10)
-        (rank0,) = _engine_processes(server)
+        (rank0,) = server.engine_processes()
         (rank1,) = [p for p in psutil.Process(headless.proc.pid).children(recursive=True)
-                    if "spawn_main" in " ".join(p.cmdline())]
+                    if is_engine(p)]
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as http, \
                 asyncio.timeout(90):
             results = await _kill_mid_streams(http, rank1)

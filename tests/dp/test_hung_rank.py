@@ -18,14 +18,13 @@ hanging until gloo's timeout (300 s) with DP, or for ever without.
 import asyncio
 import os
 import signal
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 from dp_helpers import dp_client, free_port_pair
+from server_helpers import ServerProcess, stream_events
 
 from minicore.config import create_engine_config
 from minicore.dp.coordinator import (
@@ -38,9 +37,6 @@ from minicore.dp.coordinator import (
 from minicore.engine.core_client import EngineDeadError
 from minicore.model.config import SimulatedCost
 from minicore.sampling_params import SamplingParams
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))
-from server_helpers import ServerProcess, stream_events  # noqa: E402
 
 TIMEOUT_S = 2.0
 # A hang is declared within 1.5 timeouts; the rest is slack for a loaded 2-core machine.
@@ -142,9 +138,9 @@ def test_watchdog_setting(monkeypatch):
 
 def _rank0(server: ServerProcess, rpc_port: int) -> psutil.Process:
     """Rank 0's engine process: the one that hosts the DP group's store on the rpc port."""
-    (rank0,) = [p for p in server.children() if "spawn_main" in " ".join(p.cmdline())
-                and any(c.status == psutil.CONN_LISTEN and c.laddr.port == rpc_port
-                        for c in p.net_connections("tcp"))]
+    (rank0,) = [p for p in server.engine_processes()
+                if any(c.status == psutil.CONN_LISTEN and c.laddr.port == rpc_port
+                       for c in p.net_connections("tcp"))]
     return rank0
 
 
@@ -159,7 +155,7 @@ async def test_sigstopped_dp_rank_turns_health_503_and_fails_the_stream(monkeypa
     monkeypatch.setenv(ITERATION_TIMEOUT_ENV, str(TIMEOUT_S))
     rpc_port = free_port_pair()
     with ServerProcess(*SIMULATED_DP2, "--data-parallel-rpc-port", str(rpc_port)) as server:
-        engines = [p for p in server.children() if "spawn_main" in " ".join(p.cmdline())]
+        engines = server.engine_processes()
         rank0 = _rank0(server, rpc_port)
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as http, \
                 asyncio.timeout(60):

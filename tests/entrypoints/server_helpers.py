@@ -1,7 +1,16 @@
 """A real `python -m minicore serve` for the end-to-end tests, started on a free port in its own
-session (process group), so that whatever it started is killed at the end whatever happened."""
+session (process group), so that whatever it started is killed at the end whatever happened.
 
+`python -m minicore ...` starts from a zygote (start_minicore): a process that has imported
+minicore, torch and transformers once, without computing anything, and forks each command
+(multiprocessing's forkserver). A fresh interpreter spends about 10 s of CPU on those imports
+before it does anything, and the suite starts some 70 servers (docs/BENCHMARKS.md). The forked
+command runs the same main() as `python -m minicore`, in a session of its own, with the test's
+environment, its output in its log, and the exit status the interpreter would give."""
+
+import atexit
 import json
+import multiprocessing
 import os
 import selectors
 import signal
@@ -10,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import httpx
@@ -18,6 +28,101 @@ import psutil
 from minicore.utils import free_port  # noqa: F401  (the server tests import it from here)
 
 STARTUP_TIMEOUT_S = 180
+
+
+MINICORE = [sys.executable, "-m", "minicore"]
+# Imported by the zygote before it forks anything: everything a server and its forked engines
+# import on the way to serving. None of them computes with torch (a forked child of a process that
+# did would hang in OpenMP), which test_server_process.py checks.
+ZYGOTE_PRELOAD = ["minicore.__main__", "minicore.entrypoints.api_server", "minicore.engine.launch",
+                  "minicore.model.runner", "transformers.modeling_utils",
+                  "transformers.models.auto.tokenization_auto", "server_helpers"]
+
+
+def start_minicore(args: list[str], log_path: Path, env: dict[str, str] | None = None):
+    """args (a command line) started in a session of its own, with os.environ and env, its
+    output in log_path: forked by the zygote if it is `python -m minicore ...`, else a
+    subprocess.Popen."""
+    environ = {**os.environ, **(env or {})}
+    if args[:len(MINICORE)] != MINICORE:
+        with open(log_path, "wb") as log:
+            return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True, env=environ)
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(ZYGOTE_PRELOAD)
+    process = context.Process(target=_run_minicore, name="minicore",
+                              args=(args[len(MINICORE):], str(log_path), environ))
+    process.start()
+    return ForkedProcess(process)
+
+
+def _run_minicore(argv: list[str], log_path: str, environ: dict[str, str]) -> None:
+    """In the forked child: what `python -m minicore *argv` does, then exit as it would."""
+    os.setsid()
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+    for fd in (1, 2):
+        os.dup2(log, fd)
+    os.close(log)
+    os.environ.clear()
+    os.environ.update(environ)
+    sys.argv = ["minicore", *argv]
+    code = 0
+    try:
+        from minicore.__main__ import main
+
+        main(argv)
+    except SystemExit as e:
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except KeyboardInterrupt:  # the interpreter dies of the SIGINT
+        code = -signal.SIGINT
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code)
+
+
+class ForkedProcess:
+    """What the tests use of subprocess.Popen, for a process that the zygote forked."""
+
+    def __init__(self, process: multiprocessing.Process):
+        self.process, self.pid = process, process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(MINICORE, timeout)
+        return self.process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def is_engine(process: psutil.Process) -> bool:
+    """An engine process: minicore names them EngineCore_DP<rank> (a forked one has its
+    frontend's command line)."""
+    return process.name().startswith("EngineCore_DP")
 
 
 class ServerProcess:
@@ -31,14 +136,12 @@ class ServerProcess:
         self.log_path = Path(tempfile.mkstemp(prefix="minicore-serve-", suffix=".log")[1])
         # float32 unless a test asks otherwise: the servers' outputs are compared with float32
         # references, and --dtype auto would be bfloat16 on a CPU with native bfloat16.
-        self.args = [sys.executable, "-m", "minicore", "serve", "--port", str(self.port),
+        self.args = [*MINICORE, "serve", "--port", str(self.port),
                      "--disable-uvicorn-access-log", "--dtype", "float32", *args]
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | ForkedProcess | None = None
 
     def __enter__(self):
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+        self.proc = start_minicore(self.args, self.log_path)
         try:
             self._wait_ready()
         except BaseException:
@@ -66,8 +169,11 @@ class ServerProcess:
     def children(self) -> list[psutil.Process]:
         return psutil.Process(self.proc.pid).children(recursive=True)
 
+    def engine_processes(self) -> list[psutil.Process]:
+        return [p for p in self.children() if is_engine(p)]
+
     def engine_process(self) -> psutil.Process:
-        (engine,) = [p for p in self.children() if "spawn_main" in " ".join(p.cmdline())]
+        (engine,) = self.engine_processes()
         return engine
 
     def __exit__(self, *exc) -> None:

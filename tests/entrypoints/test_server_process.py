@@ -15,6 +15,7 @@ import time
 
 import httpx
 import psutil
+import pytest
 from server_helpers import ServerProcess, free_port, stream_events
 
 SIMULATED = ["--runner", "simulated", "--simulated-cost", '{"step_s": 0.02}',
@@ -59,7 +60,7 @@ async def _signal_mid_stream(server: ServerProcess, send_signal) -> None:
     raises the signal again after its graceful shutdown), the request in flight ends with
     finish_reason "abort" (aborted, not cut off), and no process is left behind."""
     children = server.children()
-    assert any("spawn_main" in " ".join(p.cmdline()) for p in children)
+    assert server.engine_processes()
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as http, asyncio.timeout(60):
         started = asyncio.Event()
         stream = asyncio.create_task(stream_events(http, LONG, started))
@@ -142,3 +143,53 @@ def test_an_engine_config_error_at_start_is_one_line_not_a_traceback():
     assert re.search(r"EngineCore failed to start: the KV cache has room for \d+ blocks, but one "
                      r"request of max_model_len \(8192\)", done.stderr), done.stderr
     assert "max_model_len auto: 8192" in done.stderr
+
+
+def test_a_served_engine_is_forked_and_frees_the_port_when_its_frontend_is_killed():
+    """`serve` forks its engines (they start with the frontend's imports), and a forked engine
+    does not hold the server's port: with the frontend SIGKILLed, a new server binds the port
+    while the orphaned engine is still there, and the engine then stops by itself."""
+    with ServerProcess(*SIMULATED) as server:
+        engine = server.engine_process()
+        assert engine.cmdline() == psutil.Process(server.proc.pid).cmdline()  # forked, not spawned
+        assert engine.ppid() == server.proc.pid
+        assert not [c for c in engine.net_connections("tcp") if c.laddr.port == server.port]
+        server.proc.kill()
+        server.proc.wait(5)
+        assert engine.is_running()
+        with ServerProcess(*SIMULATED, port=server.port) as again:
+            assert httpx.get(again.url + "/health").status_code == 200
+        engine.wait(10)
+
+
+ZYGOTE_CHILD = """
+import importlib, multiprocessing, sys
+import server_helpers
+for name in server_helpers.ZYGOTE_PRELOAD:
+    importlib.import_module(name)
+{before_fork}
+def child():
+    import torch
+    torch.set_num_threads(2)
+    assert (torch.ones(512, 512) @ torch.ones(512, 512)).sum() > 0  # a parallel region
+process = multiprocessing.get_context("fork").Process(target=child)
+process.start()
+process.join(10)
+if process.exitcode is None:  # hung
+    process.kill()
+    sys.exit(3)
+sys.exit(process.exitcode)
+"""
+A_PRODUCT = "import torch; torch.ones(512, 512) @ torch.ones(512, 512)"
+
+
+@pytest.mark.parametrize("before_fork, works", [("", True), (A_PRODUCT, False)])
+def test_the_zygote_computes_nothing_so_that_its_forks_can(before_fork, works):
+    """The zygote that forks the tests' servers imports ZYGOTE_PRELOAD and nothing else: a child
+    forked after that runs torch on two threads, where a child forked after a single product
+    on two threads hangs in OpenMP (the case that shows the check can fail)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", ZYGOTE_CHILD.format(before_fork=before_fork)],
+                          env=env, timeout=120, capture_output=True, text=True)
+    assert done.returncode == (0 if works else 3), done.stderr

@@ -29,7 +29,7 @@ def test_conversion_crash_leaves_no_cache_entry(tmp_path, monkeypatch):
         (out / "config.json").write_text("{}")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(loader, "_convert_gguf", crash)
+    monkeypatch.setattr(loader, "_convert_in_subprocess", crash)
     with pytest.raises(KeyboardInterrupt):
         cached_conversion(gguf, tmp_path / "cache")
     assert list((tmp_path / "cache").iterdir()) == []
@@ -44,7 +44,7 @@ def test_conversion_is_cached_and_keyed_by_file(tmp_path, monkeypatch):
         calls.append(src)
         (out / "config.json").write_text("{}")
 
-    monkeypatch.setattr(loader, "_convert_gguf", convert)
+    monkeypatch.setattr(loader, "_convert_in_subprocess", convert)
     first = cached_conversion(gguf, tmp_path / "cache")
     assert cached_conversion(gguf, tmp_path / "cache") == first and len(calls) == 1
     gguf.write_bytes(b"xy")  # a changed file gets a new entry
@@ -111,7 +111,7 @@ def test_supported_attention_passes(family, overrides):
 def test_gguf_conversion_is_announced(tmp_path, monkeypatch, caplog):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"x")
-    monkeypatch.setattr(loader, "_convert_gguf",
+    monkeypatch.setattr(loader, "_convert_in_subprocess",
                         lambda src, out: (out / "config.json").write_text("{}"))
     with caplog.at_level("INFO", logger=loader.__name__):
         target = cached_conversion(gguf, tmp_path / "cache")
