@@ -252,6 +252,9 @@ class RayDPLBAsyncMPClient(DPLBAsyncMPClient):
         self.config = await asyncio.to_thread(self.manager.place, deadline)
         await super().start(max(0.0, deadline - time.monotonic()))
 
+    def _start_engine_processes(self) -> None:
+        pass  # actors, placed by start() and started by _launch_engines once the sockets are bound
+
     async def _launch_engines(self, addresses: dict[str, str], deadline: float) -> dict[int, int]:
         self.manager.start_actors(addresses)
         num_blocks = await self.manager.wait_for_init(deadline)

@@ -113,17 +113,22 @@ class AsyncMPClient:
 
     # ---- startup -------------------------------------------------------------------------------
 
-    def _bind(self, socket_type: int, name: str, **options) -> zmq.Socket:
-        """Bind a frontend socket: ipc for one engine; tcp with data parallelism, so that ranks on
-        other machines can connect (the handshake at rpc_port + 1, the others on free ports). The
-        handshake's port in use: a ListenError naming --data-parallel-rpc-port."""
+    def _address(self, name: str) -> str:
+        """Where a frontend socket binds: ipc for one engine; tcp with data parallelism, so that
+        ranks on other machines can connect (the handshake at rpc_port + 1, the others on free
+        ports)."""
         pc = self.config.parallel_config
         if self.num_engines == 1:
-            address = f"ipc://{self._tmpdir}/{name}"
-        elif name == "handshake":
-            address = f"tcp://{pc.data_parallel_address}:{pc.data_parallel_rpc_port + 1}"
-        else:
-            address = f"tcp://{pc.data_parallel_address}:*"
+            return f"ipc://{self._tmpdir}/{name}"
+        if name == "handshake":
+            return f"tcp://{pc.data_parallel_address}:{pc.data_parallel_rpc_port + 1}"
+        return f"tcp://{pc.data_parallel_address}:*"
+
+    def _bind(self, socket_type: int, name: str, **options) -> zmq.Socket:
+        """Bind a frontend socket at its _address. The handshake's port in use: a ListenError
+        naming --data-parallel-rpc-port."""
+        pc = self.config.parallel_config
+        address = self._address(name)
         try:
             return make_zmq_socket(self.ctx, address, socket_type, bind=True, **options)
         except zmq.ZMQError as e:
@@ -135,6 +140,9 @@ class AsyncMPClient:
 
     async def start(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
+        # The engine processes before any socket: a forked engine would hold the frontend's
+        # listening sockets, their ports in use for as long as it lives.
+        self._start_engine_processes()
         # Sync: sends never block (no high-water mark) and cost no future each.
         self.input_socket = self._bind(zmq.ROUTER, "input", rcvhwm=INPUT_RCVHWM,
                                        max_msg_size=INPUT_MAX_MSG_BYTES)
@@ -151,21 +159,24 @@ class AsyncMPClient:
                     self.num_blocks)
 
     async def _launch_engines(self, addresses: dict[str, str], deadline: float) -> dict[int, int]:
-        """Start this machine's engine processes and answer every engine's handshake (remote
-        ones too) with the addresses; returns each engine's KV blocks. The Ray backend places
-        actors instead (minicore/dp/ray_launch.py)."""
+        """Answer every engine's handshake (remote ones too) with the addresses; returns each
+        engine's KV blocks. The Ray backend starts its actors here instead
+        (minicore/dp/ray_launch.py)."""
         handshake = zmq.asyncio.Socket.from_socket(self._bind(zmq.ROUTER, "handshake"))
         try:
-            self.manager = CoreEngineProcManager(
-                self.config, handshake.getsockopt_string(zmq.LAST_ENDPOINT))
-            loop = asyncio.get_running_loop()
-            for rank, proc in self.manager.procs.items():
-                loop.add_reader(proc.sentinel, functools.partial(self._on_engine_exit, rank))
             return await wait_for_engine_startup(
                 handshake, msgspec.msgpack.encode(addresses), self.num_engines,
                 self.manager.procs, deadline, self._engine_exited)
         finally:
             handshake.close(linger=0)
+
+    def _start_engine_processes(self) -> None:
+        """This machine's engine processes, watched from the loop: they connect to the handshake
+        address, which is bound right after (ZMQ connects in any order)."""
+        self.manager = CoreEngineProcManager(self.config, self._address("handshake"))
+        loop = asyncio.get_running_loop()
+        for rank, proc in self.manager.procs.items():
+            loop.add_reader(proc.sentinel, functools.partial(self._on_engine_exit, rank))
 
     def _take_first_input_frames(self, deadline: float) -> None:
         """Each engine's first frame on the input socket lets the ROUTER route to it. It was sent

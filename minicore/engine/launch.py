@@ -48,6 +48,7 @@ STARTUP_SIGNAL_GRACE_S = 1.0
 # How long a frontend told that a remote rank failed waits for its own engines' exits.
 REMOTE_FAILURE_GRACE_S = 3.0
 START_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
+SHUTDOWN_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
 def resolve_model(config: EngineConfig) -> EngineConfig:
@@ -110,6 +111,8 @@ def run_engine_core(config: EngineConfig, handshake_address: str, engine_index: 
     signal.signal(signal.SIGTERM, signal_handler)
     signal.signal(signal.SIGINT, signal_handler)
     stop_watch = _watch_signals_during_startup()
+    # Blocked by the process that started this one until now (_shutdown_signals_blocked).
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SHUTDOWN_SIGNALS)
     engine_core: EngineCoreProc | None = None
     fatal = False
     try:
@@ -306,7 +309,7 @@ class CoreEngineProcManager:
         for local_rank, rank in enumerate(config.parallel_config.local_ranks):
             proc = context.Process(target=run_engine_core, name=f"EngineCore_DP{rank}",
                                    daemon=True, args=(config, handshake_address, rank))
-            with _visible_device(config, local_rank):
+            with _visible_device(config, local_rank), _shutdown_signals_blocked():
                 proc.start()
             self.procs[rank] = proc
 
@@ -327,6 +330,19 @@ class CoreEngineProcManager:
                 logger.warning("engine core %d did not stop within %g s: killing it", rank, timeout)
                 proc.kill()
                 proc.join(timeout)
+
+
+@contextlib.contextmanager
+def _shutdown_signals_blocked():
+    """SIGTERM and SIGINT held back from an engine process until its own handlers are in place
+    (run_engine_core unblocks them): a forked one has its frontend's until then, which pass a
+    signal on to the frontend's event loop and nothing else, and a signal sent as it starts (the
+    frontend failing at once) would be lost. They wait, pending, in the frontend for as long."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, SHUTDOWN_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 @contextlib.contextmanager

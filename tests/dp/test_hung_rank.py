@@ -157,6 +157,9 @@ async def test_sigstopped_dp_rank_turns_health_503_and_fails_the_stream(monkeypa
     with ServerProcess(*SIMULATED_DP2, "--data-parallel-rpc-port", str(rpc_port)) as server:
         engines = server.engine_processes()
         rank0 = _rank0(server, rpc_port)
+        # Forked before the frontend bound anything: no engine holds its handshake port.
+        assert not [c for e in engines for c in e.net_connections("tcp")
+                    if c.status == psutil.CONN_LISTEN and c.laddr.port == rpc_port + 1]
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as http, \
                 asyncio.timeout(60):
             started = asyncio.Event()
