@@ -1,22 +1,21 @@
 """The frontend's side of the engine sockets: requests out, outputs in, engines watched.
 
 Mirrors AsyncMPClient and DPLBAsyncMPClient in vllm/v1/engine/core_client.py. make_async_mp_client
-starts this machine's engine processes (minicore/engine/launch.py), binds the sockets every engine
-connects to (ranks on other machines too), and waits for each engine's READY. Requests and aborts
-leave on a ROUTER socket (msgspec msgpack, one frame per message, never blocking), outputs arrive
-on a PULL socket. With data parallelism, DPLBAsyncMPClient picks each request's engine and keeps
-the engines' waves going with a DPCoordinator (minicore/dp/coordinator.py).
+starts this machine's engine processes (minicore/engine/launch.py), then binds the sockets every
+engine connects to (ranks on other machines too), and waits for each engine's READY. Requests and
+aborts leave on a ROUTER socket (msgspec msgpack, one frame per message, never blocking), outputs
+arrive on a PULL socket. With data parallelism, DPLBAsyncMPClient picks each request's engine and
+keeps the engines' waves going with a DPCoordinator (minicore/dp/coordinator.py).
 
 Supervision: when a local engine process exits, a remote engine (a headless DP rank) sends
 ENGINE_CORE_DEAD, or a send to an engine fails, the client turns dead: it stops the other local
 engines (DP ranks cannot go on without a peer), fails pending utility calls, and tells its owner
-through on_dead, which fails the requests in flight. An engine that is alive but sends nothing, not
-even the answer to a ping, for MINICORE_ENGINE_ITERATION_TIMEOUT_S (60 s) is declared hung, with the
-same effect (EngineWatchdog, minicore/dp/coordinator.py). Nothing else a socket delivers can do
-that: a frame that does not decode, or names an engine that does not exist, is dropped (and logged,
-at rate-limited intervals), and ENGINE_CORE_DEAD from a local engine only announces the process
-exit that the process watch then sees. The input ROUTER reads nothing after startup, so it holds
-at most a few small frames per peer. Left out: several API servers sharing one coordinator process,
+through on_dead, which fails the requests in flight. An engine alive but silent, not even
+answering a ping, for MINICORE_ENGINE_ITERATION_TIMEOUT_S (60 s) is declared hung, to the same
+effect (EngineWatchdog, minicore/dp/coordinator.py). No other frame can do that: one that does not
+decode, or names no engine, is dropped (logged, rate-limited), and a local ENGINE_CORE_DEAD only
+announces the exit the process watch then sees. The input ROUTER reads nothing after startup (a
+few small frames per peer at most). Left out: several API servers sharing one coordinator process,
 elastic scaling, socket authentication (docs/DATA_PARALLEL.md says what is exposed).
 """
 
@@ -114,9 +113,7 @@ class AsyncMPClient:
     # ---- startup -------------------------------------------------------------------------------
 
     def _address(self, name: str) -> str:
-        """Where a frontend socket binds: ipc for one engine; tcp with data parallelism, so that
-        ranks on other machines can connect (the handshake at rpc_port + 1, the others on free
-        ports)."""
+        """ipc for one engine; tcp with DP, for ranks elsewhere (the handshake at rpc_port + 1)."""
         pc = self.config.parallel_config
         if self.num_engines == 1:
             return f"ipc://{self._tmpdir}/{name}"
@@ -125,10 +122,8 @@ class AsyncMPClient:
         return f"tcp://{pc.data_parallel_address}:*"
 
     def _bind(self, socket_type: int, name: str, **options) -> zmq.Socket:
-        """Bind a frontend socket at its _address. The handshake's port in use: a ListenError
-        naming --data-parallel-rpc-port."""
-        pc = self.config.parallel_config
-        address = self._address(name)
+        """Bind at _address; the handshake's port in use: a ListenError naming the flag."""
+        pc, address = self.config.parallel_config, self._address(name)
         try:
             return make_zmq_socket(self.ctx, address, socket_type, bind=True, **options)
         except zmq.ZMQError as e:
@@ -160,8 +155,7 @@ class AsyncMPClient:
 
     async def _launch_engines(self, addresses: dict[str, str], deadline: float) -> dict[int, int]:
         """Answer every engine's handshake (remote ones too) with the addresses; returns each
-        engine's KV blocks. The Ray backend starts its actors here instead
-        (minicore/dp/ray_launch.py)."""
+        engine's KV blocks. The Ray backend starts its actors here (minicore/dp/ray_launch.py)."""
         handshake = zmq.asyncio.Socket.from_socket(self._bind(zmq.ROUTER, "handshake"))
         try:
             return await wait_for_engine_startup(
@@ -171,8 +165,8 @@ class AsyncMPClient:
             handshake.close(linger=0)
 
     def _start_engine_processes(self) -> None:
-        """This machine's engine processes, watched from the loop: they connect to the handshake
-        address, which is bound right after (ZMQ connects in any order)."""
+        """This machine's engines, watched from the loop; the handshake they connect to is bound
+        after (ZMQ connects in any order)."""
         self.manager = CoreEngineProcManager(self.config, self._address("handshake"))
         loop = asyncio.get_running_loop()
         for rank, proc in self.manager.procs.items():
@@ -221,9 +215,8 @@ class AsyncMPClient:
         return bool(self.output_socket.get(zmq.EVENTS) & zmq.POLLIN)
 
     def expect_engine_exit(self) -> None:
-        """The server is stopping on a signal, which a terminal's Ctrl+C also sends to the
-        engines (the whole process group): their exit from now on is expected, not logged as an
-        error. shutdown() still stops whatever is left."""
+        """The server stops on a signal, which a terminal's Ctrl+C also sends to the engines (the
+        process group): their exit is expected now, not an error; shutdown() stops the rest."""
         self._exit_expected = True
 
     def set_dead(self, reason: str) -> None:
@@ -256,9 +249,8 @@ class AsyncMPClient:
         self._send(EngineCoreRequestType.ABORT, request_ids, raise_if_dead=False)
 
     async def call_utility_async(self, method: str, *args, engine_index: int = 0) -> Any:
-        """Call an engine utility method (minicore/engine/control.py) on one engine and return
-        its result; ValueError if the engine refused the call (its arguments, or its state),
-        RuntimeError if it failed there."""
+        """An engine utility method's result (minicore/engine/control.py); ValueError if the engine
+        refused the call (its arguments, or its state), RuntimeError if it failed there."""
         if self.errored:
             raise self.dead_error
         call_id = next(self._call_ids)

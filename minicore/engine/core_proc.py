@@ -108,6 +108,7 @@ class EngineCoreProc(ProcControl, EngineCore):
             except Exception as e:  # to the frontend at once: a headless rank's it cannot see
                 error = f"{type(e).__name__}: {e}"
                 handshake.send(msgspec.msgpack.encode({"status": "FAILED", "error": error}))
+                self.ctx.destroy(linger=5000)  # sent before exit: a forked engine skips teardown
                 raise
             handshake.send(msgspec.msgpack.encode(
                 {"status": "READY", "engine_index": self.engine_index,
