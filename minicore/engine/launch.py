@@ -111,7 +111,7 @@ def run_engine_core(config: EngineConfig, handshake_address: str, engine_index: 
     signal.signal(signal.SIGTERM, signal_handler)
     signal.signal(signal.SIGINT, signal_handler)
     stop_watch = _watch_signals_during_startup()
-    # Blocked by the process that started this one until now (_shutdown_signals_blocked).
+    # A forked engine's were blocked until now (_shutdown_signals_blocked).
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SHUTDOWN_SIGNALS)
     engine_core: EngineCoreProc | None = None
     fatal = False
@@ -305,11 +305,13 @@ class CoreEngineProcManager:
 
     def __init__(self, config: EngineConfig, handshake_address: str):
         self.procs: dict[int, multiprocessing.Process] = {}
-        context = multiprocessing.get_context(engine_start_method(config))
+        method = engine_start_method(config)
+        context = multiprocessing.get_context(method)
+        hold_signals = _shutdown_signals_blocked if method == "fork" else contextlib.nullcontext
         for local_rank, rank in enumerate(config.parallel_config.local_ranks):
             proc = context.Process(target=run_engine_core, name=f"EngineCore_DP{rank}",
                                    daemon=True, args=(config, handshake_address, rank))
-            with _visible_device(config, local_rank), _shutdown_signals_blocked():
+            with _visible_device(config, local_rank), hold_signals():
                 proc.start()
             self.procs[rank] = proc
 
@@ -334,10 +336,10 @@ class CoreEngineProcManager:
 
 @contextlib.contextmanager
 def _shutdown_signals_blocked():
-    """SIGTERM and SIGINT held back from an engine process until its own handlers are in place
-    (run_engine_core unblocks them): a forked one has its frontend's until then, which pass a
-    signal on to the frontend's event loop and nothing else, and a signal sent as it starts (the
-    frontend failing at once) would be lost. They wait, pending, in the frontend for as long."""
+    """SIGTERM and SIGINT held back from a forked engine until its own handlers are in place
+    (run_engine_core unblocks them): until then it has its frontend's, which pass a signal on to
+    the frontend's event loop and nothing else, and a signal sent as it starts (the frontend
+    failing at once) would be lost. They wait, pending, in the frontend for as long."""
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, SHUTDOWN_SIGNALS)
     try:
         yield

@@ -15,6 +15,8 @@ import httpx
 import pytest
 from server_helpers import ServerProcess
 
+from minicore.utils import free_port_pair
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -160,6 +162,7 @@ def test_rl_weight_sync_example_offline():
 def test_rl_weight_sync_example_against_a_dp2_server(monkeypatch):
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
     with ServerProcess("--data-parallel-size", "2", "--max-model-len", "512",
+                       "--data-parallel-rpc-port", str(free_port_pair()),
                        "--kv-cache-memory", str(64 << 20)) as server:
         out = run_example("--base-url", server.url)
     assert out.count("equals transformers with the new weights") == 3

@@ -38,6 +38,7 @@ from minicore.protocol import (
 from minicore.request import FinishReason, RequestStatus
 from minicore.sampling_params import SamplingParams
 from minicore.testing import make_request, make_scheduler, step
+from minicore.utils import free_port_pair
 
 MODEL = "m"
 QUEUED, SCHEDULED, PREEMPTED = (EngineCoreEventType.QUEUED, EngineCoreEventType.SCHEDULED,
@@ -334,6 +335,7 @@ def test_stats_line_prints_each_engine_and_all_together(caplog):
 async def test_dp2_server_on_the_simulated_runner_sums_to_the_true_totals():
     num_requests, max_tokens = 12, 6
     with ServerProcess("--runner", "simulated", "--data-parallel-size", "2",
+                       "--data-parallel-rpc-port", str(free_port_pair()),
                        "--max-model-len", "256") as server:
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
             async def complete(i):
