@@ -4,7 +4,7 @@ session (process group), so that whatever it started is killed at the end whatev
 `python -m minicore ...` starts from a zygote (start_minicore): a process that has imported
 minicore, torch and transformers once, without computing anything, and forks each command
 (multiprocessing's forkserver). A fresh interpreter spends about 10 s of CPU on those imports
-before it does anything, and the suite starts some 70 servers (docs/BENCHMARKS.md). The forked
+before it does anything, and the suite starts some 60 servers (docs/BENCHMARKS.md). The forked
 command runs the same main() as `python -m minicore`, in a session of its own, with the test's
 environment, its output in its log, and the exit status the interpreter would give."""
 
