@@ -47,11 +47,15 @@ async def served_tokens(client, prompts: list[list[int]], plan=PLAN
     """Every request's tokens, in plan order (rank 0's first, then the gated one, last), and rank
     1's waiting counts from its frames."""
     num_first = len(plan) - 1
+    streaming: set[int] = set()
 
     async def run(i: int) -> list[int]:
         rank, _, max_tokens = plan[i]
-        outputs = [o async for o in client.generate(prompts[i], greedy(max_tokens), f"req-{i}",
-                                                    data_parallel_rank=rank)]
+        outputs = []
+        async for output in client.generate(prompts[i], greedy(max_tokens), f"req-{i}",
+                                            data_parallel_rank=rank):
+            outputs.append(output)
+            streaming.add(i)
         assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "length"
         return outputs[-1].outputs[0].token_ids
 
@@ -66,9 +70,13 @@ async def served_tokens(client, prompts: list[list[int]], plan=PLAN
     client._process_outputs = tap
     try:
         first = [asyncio.create_task(run(i)) for i in range(num_first)]
-        await wait_until(lambda: 0 in client.latest_stats
+        # A token of each, not just a frame saying "3 running": with async scheduling that frame
+        # leaves before the step it counts has been through the ranks' count sync, and a gated
+        # request that overtook the sync would be admitted at once. A token comes from a forward
+        # that rank 1 met with a dummy one, so its next inputs are read after that sync.
+        await wait_until(lambda: len(streaming) == num_first and 0 in client.latest_stats
                          and client.latest_stats[0].num_running_reqs == MAX_NUM_SEQS, 10,
-                         "rank 0 runs max_num_seqs requests")
+                         "rank 0 runs max_num_seqs requests, each past its first token")
         gated = await run(num_first)
         return [*await asyncio.gather(*first), gated], rank1_waiting
     finally:
