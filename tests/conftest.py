@@ -11,6 +11,12 @@ import pytest
 # took 75 s so, 28 s on one thread).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MINICORE_CPU_THREADS", "1")
+# The engines a test process starts (AsyncLLM, LLM with DP) are forked, as `serve` forks its own:
+# a spawned one imports torch and transformers anew, some 7 s of CPU each, and the suite starts
+# about a hundred. Forking a process that has computed is safe here because of the line above: on
+# one thread OpenMP starts no pool for the child to hang on. tests/engine/test_start_method.py
+# starts an engine each way.
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
 
 
 @pytest.fixture(scope="session")
