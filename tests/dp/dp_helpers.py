@@ -1,9 +1,11 @@
 """Shared helpers for the data-parallel tests: free port pairs, simulated DP configs, a client that
-is always shut down (its engine processes joined), bounded polling, and the simulated model's
-expected tokens. Every wait here has a deadline, so a hung rank fails a test instead of CI."""
+is always shut down (its engine processes joined), its engines' logs, bounded polling, and the
+simulated model's expected tokens. Every wait here has a deadline, so a hung rank fails a test
+instead of CI."""
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 
@@ -25,6 +27,23 @@ def simulated_dp_config(data_parallel_size: int, *, step_s: float = 0.002, **eng
     return create_engine_config(runner="simulated", simulated_cost=SimulatedCost(step_s=step_s),
                                 data_parallel_size=data_parallel_size,
                                 data_parallel_rpc_port=free_port_pair(), **engine_args)
+
+
+@contextlib.contextmanager
+def engine_log(path):
+    """Logs at INFO, this process's and its engines', appended to path while open: the engines
+    are forked (tests/conftest.py) and keep this process's logging, not stderr as a spawned one's
+    (where capfd would read it)."""
+    root = logging.getLogger()
+    handler, level = logging.FileHandler(path), root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        yield path
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        handler.close()
 
 
 @contextlib.asynccontextmanager

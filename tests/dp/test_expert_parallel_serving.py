@@ -16,7 +16,14 @@ import asyncio
 import random
 
 import pytest
-from dp_helpers import assert_all_engines_idle, dp_client, free_port_pair, wait_idle, wait_until
+from dp_helpers import (
+    assert_all_engines_idle,
+    dp_client,
+    engine_log,
+    free_port_pair,
+    wait_idle,
+    wait_until,
+)
 from moe_models import FAMILIES, tiny_moe_config
 
 from minicore.config import create_engine_config
@@ -84,7 +91,7 @@ async def served_tokens(client, prompts: list[list[int]], plan=PLAN
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-async def test_dp2_expert_parallel_gives_the_tokens_of_one_engine(moe_model_dir, family, capfd):
+async def test_dp2_expert_parallel_gives_the_tokens_of_one_engine(moe_model_dir, family, tmp_path):
     model_dir = moe_model_dir(family)
     reference_llm = LLM(model_dir, **ENGINE_ARGS)
     rng = random.Random(13)
@@ -98,17 +105,19 @@ async def test_dp2_expert_parallel_gives_the_tokens_of_one_engine(moe_model_dir,
                                   data_parallel_rpc_port=free_port_pair(),
                                   enable_expert_parallel=True, balance_scheduling=True,
                                   max_num_seqs=MAX_NUM_SEQS, **ENGINE_ARGS)
-    async with dp_client(config) as client:
-        got, rank1_waiting = await asyncio.wait_for(served_tokens(client, prompts), TIMEOUT_S)
-        await wait_idle(client)
-        await assert_all_engines_idle(client)
+    with engine_log(tmp_path / "engines.log") as log_path:
+        async with dp_client(config) as client:
+            got, rank1_waiting = await asyncio.wait_for(served_tokens(client, prompts),
+                                                        TIMEOUT_S)
+            await wait_idle(client)
+            await assert_all_engines_idle(client)
     assert got == reference
     # A frame of rank 1 showed LATE waiting: a step that scheduled nothing, with a request held.
     assert 1 in rank1_waiting, rank1_waiting
 
     # Each rank kept its share of the experts (vLLM's linear placement) and said so.
     num_experts = check_expert_parallel(tiny_moe_config(family), 2)
-    log = capfd.readouterr().err
+    log = log_path.read_text()
     for rank in range(2):
         held = determine_expert_map(2, rank, num_experts)[1].ge(0).nonzero().flatten().tolist()
         assert f"DP rank {rank}: experts {held[0]}-{held[-1]} of {num_experts}" in log
