@@ -2,8 +2,14 @@
 machine kinds the suite plays."""
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+# server_helpers (a real server, and the zygote that forks it and other commands) serves every
+# directory's tests.
+sys.path.insert(0, str(Path(__file__).parent / "entrypoints"))
 
 # `make test` runs two test processes at once (pytest -n 2) on machines with as few as two cores:
 # each test process, and every server and engine it starts (they inherit this), computes on one

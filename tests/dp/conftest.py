@@ -7,9 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
-# ServerProcess and start_minicore live with the single-engine server tests.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))
-from moe_models import build_served_moe  # noqa: E402
+from moe_models import build_served_moe
 
 
 @pytest.fixture(scope="session")

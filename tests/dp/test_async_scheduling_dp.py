@@ -17,8 +17,8 @@ from dp_helpers import assert_all_engines_idle, dp_client, free_port_pair, wait_
 from server_helpers import ServerProcess
 from test_expert_parallel_serving import MAX_NUM_SEQS, greedy, served_tokens
 
-from minicore.config import create_engine_config  # noqa: E402
-from minicore.llm import LLM  # noqa: E402
+from minicore.config import create_engine_config
+from minicore.llm import LLM
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

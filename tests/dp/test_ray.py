@@ -27,7 +27,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import psutil
@@ -37,12 +36,10 @@ from dp_helpers import assert_all_engines_idle, dp_client, free_port_pair, wait_
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.state import list_actors, list_nodes, list_placement_groups
+from server_helpers import ServerProcess, free_port, run_python
 
 # The mp backend's end-to-end test's prompts, helpers and single-engine reference (a fixture).
 from test_dp_server import PROMPTS, SMALL, _complete, _metrics, _successes, reference  # noqa: F401
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))
-from server_helpers import ServerProcess, free_port
 
 from minicore.config import create_engine_config
 from minicore.llm import LLM
@@ -274,11 +271,11 @@ def test_ray_cluster_too_small_is_refused_at_once(cluster):
     """Three ranks of one CPU each on a cluster of two CPUs: an error naming both, not a wait."""
     env = {**os.environ, "RAY_ADDRESS": cluster.address}
     started = time.monotonic()
-    result = subprocess.run(
+    result = run_python(
         [sys.executable, "-m", "minicore", "serve", "--port", str(free_port()),
          "--runner", "simulated", "--data-parallel-size", "3", "--data-parallel-backend", "ray",
          "--data-parallel-size-local", "1", "--data-parallel-rpc-port", str(free_port_pair())],
-        env=env, capture_output=True, text=True, timeout=120)
+        env)
     assert result.returncode == 1, result.stderr[-3000:]
     assert time.monotonic() - started < 60
     assert "cannot hold 3 DP ranks, each needing {'CPU': 1.0}" in result.stderr, result.stderr
@@ -295,11 +292,11 @@ def test_ray_ranks_waiting_for_taken_resources_fail_after_the_bound(cluster):
         ray.get(holder.ready(), timeout=30)
         env = {**os.environ, "RAY_ADDRESS": cluster.address,
                "MINICORE_RAY_PLACEMENT_TIMEOUT_S": "3"}
-        result = subprocess.run(
+        result = run_python(
             [sys.executable, "-m", "minicore", "serve", "--port", str(free_port()),
              "--runner", "simulated", "--data-parallel-size", "2", "--data-parallel-backend", "ray",
              "--data-parallel-size-local", "1", "--data-parallel-rpc-port",
-             str(free_port_pair())], env=env, capture_output=True, text=True, timeout=120)
+             str(free_port_pair())], env)
         remove_placement_group(holder)
     finally:
         ray.shutdown()

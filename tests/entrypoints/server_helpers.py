@@ -1,17 +1,20 @@
 """A real `python -m minicore serve` for the end-to-end tests, started on a free port in its own
 session (process group), so that whatever it started is killed at the end whatever happened.
 
-`python -m minicore ...` starts from a zygote (start_minicore): a process that has imported
-minicore, torch and transformers once, without computing anything, and forks each command
-(multiprocessing's forkserver). A fresh interpreter spends about 10 s of CPU on those imports
-before it does anything, and the suite starts some 60 servers (docs/BENCHMARKS.md). The forked
-command runs the same main() as `python -m minicore`, in a session of its own, with the test's
-environment, its output in its log, and the exit status the interpreter would give."""
+`python -m minicore ...` and `python script.py ...` start from a zygote (start_minicore, and
+run_python for subprocess.run's use): a process that has imported minicore, torch and
+transformers once, without computing anything, and forks each command (multiprocessing's
+forkserver). A fresh interpreter spends about 10 s of CPU on those imports before it does
+anything, and the suite starts some 60 servers and 20 other commands (docs/BENCHMARKS.md). The
+forked command runs the same main() as `python -m minicore` (or the script as __main__), in a
+session of its own, with the test's environment, its output in its log, and the exit status the
+interpreter would give."""
 
 import atexit
 import json
 import multiprocessing
 import os
+import runpy
 import selectors
 import signal
 import socket
@@ -39,38 +42,72 @@ ZYGOTE_PRELOAD = ["minicore.__main__", "minicore.entrypoints.api_server", "minic
                   "transformers.models.auto.tokenization_auto", "server_helpers"]
 
 
-def start_minicore(args: list[str], log_path: Path, env: dict[str, str] | None = None):
+def start_minicore(args: list[str], log_path: Path, env: dict[str, str] | None = None,
+                   stderr_path: Path | None = None):
     """args (a command line) started in a session of its own, with os.environ and env, its
-    output in log_path: forked by the zygote if it is `python -m minicore ...`, else a
-    subprocess.Popen."""
+    output in log_path (its stderr in stderr_path if given): forked by the zygote if it is
+    `python -m minicore ...` or `python script.py ...`, else a subprocess.Popen."""
     environ = {**os.environ, **(env or {})}
-    if args[:len(MINICORE)] != MINICORE:
-        with open(log_path, "wb") as log:
-            return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True, env=environ)
+    if not _forkable(args):
+        with open(log_path, "wb") as log, open(stderr_path or os.devnull, "ab") as err:
+            return subprocess.Popen(args, stdout=log, start_new_session=True, env=environ,
+                                    stderr=err if stderr_path else subprocess.STDOUT)
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(ZYGOTE_PRELOAD)
-    process = context.Process(target=_run_minicore, name="minicore",
-                              args=(args[len(MINICORE):], str(log_path), environ))
+    process = context.Process(target=_run_forked, name="minicore",
+                              args=(list(args[1:]), str(log_path), str(stderr_path or log_path),
+                                    environ))
     process.start()
     return ForkedProcess(process)
 
 
-def _run_minicore(argv: list[str], log_path: str, environ: dict[str, str]) -> None:
-    """In the forked child: what `python -m minicore *argv` does, then exit as it would."""
+def _forkable(args: list[str]) -> bool:
+    return args[:len(MINICORE)] == MINICORE or (
+        len(args) > 1 and args[0] == sys.executable and str(args[1]).endswith(".py"))
+
+
+def run_python(args: list, env: dict[str, str] | None = None,
+               timeout: float = 120) -> subprocess.CompletedProcess:
+    """subprocess.run(args, capture_output=True, text=True, timeout=timeout) with os.environ and
+    env, for `python -m minicore ...` or `python script.py ...` forked by the zygote."""
+    args = [str(a) for a in args]
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        out.touch()
+        err.touch()
+        proc = start_minicore(args, out, env, stderr_path=err)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+            raise
+        return subprocess.CompletedProcess(args, code, out.read_text(errors="replace"),
+                                           err.read_text(errors="replace"))
+
+
+def _run_forked(argv: list[str], stdout_path: str, stderr_path: str,
+                environ: dict[str, str]) -> None:
+    """In the forked child: what `python *argv` does (argv: -m minicore ..., or a script and its
+    arguments), then exit as it would."""
     os.setsid()
-    log = os.open(log_path, os.O_WRONLY | os.O_APPEND)
-    for fd in (1, 2):
-        os.dup2(log, fd)
-    os.close(log)
+    for fd, path in ((1, stdout_path), (2, stderr_path)):
+        out = os.open(path, os.O_WRONLY | os.O_APPEND)
+        os.dup2(out, fd)
+        os.close(out)
     os.environ.clear()
     os.environ.update(environ)
-    sys.argv = ["minicore", *argv]
     code = 0
     try:
-        from minicore.__main__ import main
+        if argv[0] == "-m":
+            from minicore.__main__ import main
 
-        main(argv)
+            sys.argv = ["minicore", *argv[2:]]
+            main(argv[2:])
+        else:
+            sys.argv = argv
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as e:
         if e.code is not None and not isinstance(e.code, int):
             print(e.code, file=sys.stderr)

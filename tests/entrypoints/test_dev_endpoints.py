@@ -5,7 +5,6 @@ update not started) with a 400 OpenAI error body and changes nothing then; with 
 needs the key; without the switch none is mounted. The RL weight sync example runs against a
 DP=2 server on the real model."""
 
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import ServerProcess
+from server_helpers import ServerProcess, run_python
 
 from minicore.utils import free_port_pair
 
@@ -146,8 +145,8 @@ def test_without_dev_mode_no_dev_endpoint_is_mounted(monkeypatch):
 
 
 def run_example(*args: str) -> str:
-    result = subprocess.run([sys.executable, str(ROOT / "examples" / "rl_weight_sync.py"), *args],
-                            capture_output=True, text=True, timeout=600)
+    result = run_python([sys.executable, ROOT / "examples" / "rl_weight_sync.py", *args],
+                        timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "weight sync: OK" in result.stdout
     return result.stdout

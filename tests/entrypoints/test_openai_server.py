@@ -5,7 +5,6 @@ server serving, a client that disconnects aborts its request (the KV cache empti
 /metrics), and the metrics carry vLLM's names. The benchmark script runs against it once."""
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_helpers import ServerProcess
+from server_helpers import ServerProcess, run_python
 
 from minicore.llm import LLM
 from minicore.sampling_params import SamplingParams
@@ -277,11 +276,10 @@ def test_metrics_have_vllm_names_and_count_the_requests(client, http):
 
 
 def test_bench_serve_drives_the_server(server, tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "bench_serve.py"), "--base-url", server.url,
+    result = run_python(
+        [sys.executable, REPO / "benchmarks" / "bench_serve.py", "--base-url", server.url,
          "--api-key", API_KEY, "--num-prompts", "4", "--random-input-len", "16",
-         "--random-output-len", "4", "--max-concurrency", "2", "--result-dir", str(tmp_path)],
-        check=False, capture_output=True, text=True, timeout=120)
+         "--random-output-len", "4", "--max-concurrency", "2", "--result-dir", tmp_path])
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Successful requests:                     4" in result.stdout
     assert "Median TTFT (ms):" in result.stdout and "P99 E2EL (ms):" in result.stdout

@@ -16,7 +16,7 @@ import time
 import httpx
 import psutil
 import pytest
-from server_helpers import ServerProcess, free_port, stream_events
+from server_helpers import ServerProcess, free_port, run_python, stream_events
 
 SIMULATED = ["--runner", "simulated", "--simulated-cost", '{"step_s": 0.02}',
              "--max-model-len", "1024", "--kv-cache-memory", str(64 << 20)]
@@ -136,8 +136,8 @@ def test_an_engine_config_error_at_start_is_one_line_not_a_traceback():
     """A KV cache too small for max_model_len (here auto: the model's 8192) is refused by the
     engine as it starts: one error line naming both numbers, exit status 1."""
     small = ["--runner", "simulated", "--max-model-len", "auto", "--kv-cache-memory", "1M"]
-    done = subprocess.run([sys.executable, "-m", "minicore", "serve", "--port", str(free_port()),
-                           *small], capture_output=True, text=True, timeout=120)
+    done = run_python([sys.executable, "-m", "minicore", "serve", "--port", str(free_port()),
+                       *small])
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     assert re.search(r"EngineCore failed to start: the KV cache has room for \d+ blocks, but one "

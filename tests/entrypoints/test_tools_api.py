@@ -7,7 +7,6 @@ naming the field. A server without the flags is in test_tool_parser.py."""
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_helpers import check_openai_error
+from server_helpers import check_openai_error, run_python
 
 pytestmark = pytest.mark.model
 
@@ -135,8 +134,7 @@ def test_bad_tools_are_400s_naming_the_field(server, fields, param):
 
 def test_the_structured_outputs_example_runs_against_the_server(server):
     example = Path(__file__).resolve().parents[2] / "examples" / "structured_outputs.py"
-    result = subprocess.run([sys.executable, str(example), "--base-url", server.url + "/v1"],
-                            capture_output=True, text=True, timeout=300)
+    result = run_python([sys.executable, example, "--base-url", server.url + "/v1"], timeout=300)
     assert result.returncode == 0, result.stderr
     head = (line.split(":", 1) for line in result.stdout.splitlines()[:3])
     lines = {name.strip(): value for name, value in head}

@@ -24,12 +24,9 @@ import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))
 from server_helpers import ServerProcess, engine_state, free_port
 
 from minicore.entrypoints.proxy import prefill_body

@@ -8,22 +8,18 @@ the simulated runner has not); every wait bounded."""
 
 import json
 import random
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from test_kv_transfer_params_checks import BAD, VALID
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))
-from server_helpers import (  # noqa: E402
+from server_helpers import (
     ServerProcess,
     check_openai_error,
     engine_state,
     free_port,
     post_json,
 )
+from test_kv_transfer_params_checks import BAD, VALID
 
 pytestmark = pytest.mark.model
 

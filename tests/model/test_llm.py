@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from server_helpers import run_python
 
 from minicore.llm import LLM
 from minicore.sampling_params import SamplingParams
@@ -145,10 +146,8 @@ def test_empty_or_out_of_vocabulary_prompt_is_rejected(llm, prompt):
 
 
 def test_generate_command_prints_a_completion():
-    result = subprocess.run(
-        [sys.executable, "-m", "minicore", "generate", "The capital of France is",
-         "--max-tokens", "8", "--max-model-len", "128"],
-        capture_output=True, text=True, timeout=300)
+    result = run_python([sys.executable, "-m", "minicore", "generate", "The capital of France is",
+                         "--max-tokens", "8", "--max-model-len", "128"], timeout=300)
     assert result.returncode == 0, result.stderr
     assert "--- 'The capital of France is' (length)" in result.stdout
     assert len(result.stdout.splitlines()) >= 2

@@ -5,19 +5,15 @@ accepted tokens and the accepted tokens per position, and whose stats log prints
 line)."""
 
 import json
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from server_helpers import ServerProcess
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))
-from server_helpers import ServerProcess  # noqa: E402
-
-from minicore.llm import LLM  # noqa: E402
-from minicore.sampling_params import SamplingParams  # noqa: E402
+from minicore.llm import LLM
+from minicore.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.model
 
