@@ -45,7 +45,8 @@ def _rank_main(rank: int, size: int, port: int, results) -> None:
 
 @pytest.mark.parametrize("size", [2, 3])
 def test_collectives_across_ranks(size):
-    ctx = multiprocessing.get_context("spawn")
+    # Forked, as the suite's engines are (tests/conftest.py): no re-import of torch.
+    ctx = multiprocessing.get_context("fork")
     results, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, size, port, results)) for r in range(size)]
     for p in procs:
@@ -72,7 +73,7 @@ def _lonely_rank(port: int, results) -> None:
 
 
 def test_a_missing_rank_is_a_clear_error_not_a_hang():
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("fork")
     results, port = ctx.Queue(), free_port()
     proc = ctx.Process(target=_lonely_rank, args=(port, results))
     proc.start()
@@ -108,7 +109,7 @@ def _listening_rank(rank: int, port: int, results) -> None:
 def test_the_group_listens_on_the_dp_address_only():
     # torch's own TCPStore listens on every interface (0.0.0.0 / ::), and gloo's sockets on
     # whatever the hostname resolves to: reachable by anyone who can reach the machine.
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("fork")
     results, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_listening_rank, args=(r, port, results)) for r in range(2)]
     for p in procs:

@@ -1,4 +1,4 @@
-"""The rank side of the expert-parallel tests: a spawned process that joins a 2-rank gloo group,
+"""The rank side of the expert-parallel tests: a forked process that joins a 2-rank gloo group,
 loads each tiny MoE model, runs it unsharded for reference, shards its experts and runs the same
 token batches again, the ranks' batch sizes different. It reports plain values (never raises), so
 the test process sees every rank's findings, and a hung collective fails on the group's timeout."""

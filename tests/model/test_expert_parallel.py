@@ -2,7 +2,7 @@
 hold half the experts of a tiny random MoE model and reproduce the unsharded model's logits for
 their own tokens, with different token counts per rank (one token, like a dummy batch, too), while
 issuing the same collectives in the same order; each rank keeps only its experts' memory; models
-expert parallelism cannot serve are refused clearly. One spawn of 2 processes covers every family;
+expert parallelism cannot serve are refused clearly. One fork of 2 processes covers every family;
 every wait is bounded."""
 
 import multiprocessing
@@ -27,10 +27,11 @@ TIMEOUT_S = 120
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> dict[int, dict]:
-    """Every rank's report (see ep_workers), from one spawn of both ranks."""
+    """Every rank's report (see ep_workers), from one fork of both ranks."""
     root = tmp_path_factory.mktemp("moe")
     model_dirs = {family: str(build_tiny_moe(family, root / family)) for family in FAMILIES}
-    ctx = multiprocessing.get_context("spawn")
+    # Forked, as the suite's engines are (tests/conftest.py): no re-import of torch.
+    ctx = multiprocessing.get_context("fork")
     results, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=rank_main, args=(rank, RANKS, port, model_dirs, results))
              for rank in range(RANKS)]
