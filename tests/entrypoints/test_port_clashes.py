@@ -13,17 +13,19 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
-from server_helpers import free_port
+from server_helpers import free_port, start_minicore
 
 from minicore.utils import free_port_pair
 
 EXIT_AFTER_ERROR_S = 10.0
-# Until the line: the frontend's imports and two engine processes importing torch (simulated), or a
-# model load too, on a loaded machine.
+# Until the line: the frontend and two engine processes (simulated), or a model load too, on a
+# loaded machine.
 SIMULATED_STARTUP_S = 60.0
 MODEL_STARTUP_S = 150.0
 DP_SIMULATED = ["--runner", "simulated", "--data-parallel-size", "2", "--max-model-len", "512",
@@ -43,31 +45,36 @@ def serve_until_exit(args: list[str], startup_s: float) -> tuple[int, list[tuple
     """Run `serve` with args: (its exit code, its output lines with the time each came, the time
     it exited). Killed, and the test failed, if it still runs startup_s + EXIT_AFTER_ERROR_S
     after it started."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "minicore", "serve", "--port", str(free_port()), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    lines: list[tuple[float, str]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        # A FIFO for its output: read line by line as it comes, and at its end once the last
+        # process that holds it has exited.
+        output = Path(tmp) / "output"
+        os.mkfifo(output)
+        proc = start_minicore(
+            [sys.executable, "-m", "minicore", "serve", "--port", str(free_port()), *args], output)
+        lines: list[tuple[float, str]] = []
 
-    def read():
-        for line in proc.stdout:
-            lines.append((time.monotonic(), line.rstrip("\n")))
+        def read():
+            with open(output, errors="replace") as f:
+                for line in f:
+                    lines.append((time.monotonic(), line.rstrip("\n")))
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        returncode = proc.wait(startup_s + EXIT_AFTER_ERROR_S)
-        exited = time.monotonic()
-        # The pipe ends when the last process holding it does: no engine outlived the server.
-        reader.join(EXIT_AFTER_ERROR_S)
-        assert not reader.is_alive(), "a child of the server still runs"
-    except subprocess.TimeoutExpired:
-        pytest.fail("the server still runs:\n" + "\n".join(line for _, line in lines[-40:]))
-    finally:
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(5)
+            returncode = proc.wait(startup_s + EXIT_AFTER_ERROR_S)
+            exited = time.monotonic()
+            # The FIFO ends when the last process holding it does: no engine outlived the server.
+            reader.join(EXIT_AFTER_ERROR_S)
+            assert not reader.is_alive(), "a child of the server still runs"
+        except subprocess.TimeoutExpired:
+            pytest.fail("the server still runs:\n" + "\n".join(line for _, line in lines[-40:]))
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(5)
     return returncode, lines, exited
 
 
