@@ -20,6 +20,7 @@ transformers' with the new weights.
 import argparse
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -89,10 +90,17 @@ def sync_server(base_url: str, tokenizer, path: Path) -> tuple[list, list]:
     import httpx
 
     def complete() -> list[list[int]]:
+        """The prompts' greedy completions, all at once, as a rollout sends them: the server
+        batches them (and spreads them over its DP ranks)."""
         model = http.get("/v1/models").json()["data"][0]["id"]
-        texts = [http.post("/v1/completions", json={
-            "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True}).json()["choices"][0]["text"] for prompt in PROMPTS]
+
+        def one(prompt: str) -> str:
+            return http.post("/v1/completions", json={
+                "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True}).json()["choices"][0]["text"]
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            texts = list(pool.map(one, PROMPTS))
         return [tokenizer(text, add_special_tokens=False).input_ids for text in texts]
 
     with httpx.Client(base_url=base_url, timeout=120) as http:
