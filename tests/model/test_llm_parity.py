@@ -5,7 +5,7 @@ The check is teacher forcing: one transformers forward over each prompt and outp
 logits that model.generate(do_sample=False) picks its tokens from, position by position, so the
 tokens pass only if they are generate's (an output cut short is caught too: it must end at EOS,
 which must be the argmax there, or at max_tokens). One forward per sequence, where generate takes
-one per token: a tenth of the CPU time."""
+one per token (the four tests: 84 s -> 56 s, docs/BENCHMARKS.md)."""
 
 import pytest
 import torch
