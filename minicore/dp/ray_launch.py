@@ -269,18 +269,19 @@ class RayDPLBAsyncMPClient(DPLBAsyncMPClient):
 
 
 def _init_local_ray() -> None:
-    """Start a local Ray instance whose processes (GCS, raylet, dashboard, monitors, and the
-    raylet's workers and agents under it) run outside the frontend's process group, each in a
-    session of its own, so that a signal to the whole group (`kill -- -PGID`, a terminal's Ctrl+C)
-    reaches the frontend alone, which then stops them in order (close()). Ray keeps SIGINT from
-    them itself (it blocks it in each) but not SIGTERM: in the group, the GCS and raylet stopped
-    under the frontend, whose placement group removal then never returned. Ray's Popen is the
-    only way in (ray.init has no such option); Ray's fate sharing stays, so they still die with a
-    frontend killed by SIGKILL."""
+    """Start a local Ray instance without the dashboard, a UI whose ten processes took some 7 s
+    of CPU to start on two cores (a cluster started with `ray start --head` has it). Its
+    processes (GCS, raylet, monitors, and the raylet's workers and agents under it) run outside
+    the frontend's process group, each in a session of its own, so that a signal to the whole
+    group (`kill -- -PGID`, a terminal's Ctrl+C) reaches the frontend alone, which then stops them
+    in order (close()). Ray keeps SIGINT from them itself (it blocks it in each) but not SIGTERM:
+    in the group, the GCS and raylet stopped under the frontend, whose placement group removal
+    then never returned. Ray's Popen is the only way in (ray.init has no such option); Ray's fate
+    sharing stays, so they still die with a frontend killed by SIGKILL."""
     popen = services.ConsolePopen
     services.ConsolePopen = functools.partial(popen, start_new_session=True)
     try:
-        ray.init(address="local")
+        ray.init(address="local", include_dashboard=False)
     finally:
         services.ConsolePopen = popen
 

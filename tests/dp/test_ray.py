@@ -73,8 +73,7 @@ def no_idle_ray_workers():
 def cluster():
     """Two Ray nodes of one CPU each on this machine, the head with the dashboard (the state
     API's server)."""
-    # The dashboard on a free port: a server's local Ray instance (the signal tests, perhaps
-    # running beside this module's other tests) takes Ray's default one.
+    # The dashboard on a free port, not Ray's default one, which another program may hold.
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "resources": {"head": 1}, "include_dashboard": True,
         "dashboard_port": free_port()})
@@ -215,8 +214,8 @@ async def _kill_rank1_mid_stream(cluster, http: httpx.AsyncClient) -> None:
 
 @pytest.mark.parametrize("how", SIGNALS)
 def test_ray_local_instance_stops_with_the_server_on_a_signal(how):
-    """No RAY_ADDRESS: the server's own Ray instance (GCS, raylet, dashboard, the actors'
-    workers) goes with it, and with its GCS every actor and placement group."""
+    """No RAY_ADDRESS: the server's own Ray instance (GCS, raylet, the actors' workers; no
+    dashboard) goes with it, and with its GCS every actor and placement group."""
     assert "RAY_ADDRESS" not in os.environ
     with ServerProcess("--runner", "simulated", "--data-parallel-size", "2",
                        "--data-parallel-backend", "ray",
@@ -224,6 +223,7 @@ def test_ray_local_instance_stops_with_the_server_on_a_signal(how):
         started = server.children()
         names = " ".join(p.name() for p in started)
         assert "gcs_server" in names and "raylet" in names, names
+        assert "ray-dashboard" not in names, names
         assert names.count("DPEngineCoreActor") == 2, names
         assert signal_exit(server, *SIGNALS[how]) == 0
         assert_gone(started)
