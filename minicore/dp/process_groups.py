@@ -9,6 +9,7 @@ device made for that address (init_process_group ignores a gloo backend's option
 collectives are minicore/dp/group.py's.
 """
 
+import contextlib
 import socket
 from datetime import timedelta
 
@@ -35,7 +36,14 @@ def _check_same_size(store: TCPStore, rank: int, size: int) -> None:
     store.set(f"dp_size/{rank}", str(size))
     for peer in range(1, size) if rank == 0 else [0]:
         sizes = {rank: size, peer: int(store.get(f"dp_size/{peer}"))}
+        if rank:
+            store.set(f"dp_size_read/{rank}", "")
         if len(set(sizes.values())) > 1:
+            if rank == 0:
+                # Rank 0's store goes with its error: not before the peer has read rank 0's size,
+                # or the peer's read fails and its error names no flag.
+                with contextlib.suppress(RuntimeError):
+                    store.wait([f"dp_size_read/{peer}"], timedelta(seconds=10))
             raise ValueError(f"DP ranks disagree on --data-parallel-size: rank 0 has {sizes[0]}, "
                              f"rank {max(sizes)} has {sizes[max(sizes)]}; start every rank with "
                              "the same engine arguments")
