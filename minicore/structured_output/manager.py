@@ -4,16 +4,21 @@ grammar bitmask of a step, and advances each request's matcher with what it samp
 Mirrors vllm/v1/structured_output/__init__.py (StructuredOutputManager) with its xgrammar backend
 (backend_xgrammar.py) and StructuredOutputRequest (request.py). EngineCore.add_request calls
 grammar_init: the request waits in the queue as WAITING_FOR_FSM while a thread compiles its
-grammar (xgrammar's GrammarCompiler, whose cache is keyed by the grammar's text, as vLLM's); the
-scheduler calls promote_compiled, grammar_bitmask and accept_tokens
-(minicore/scheduler/structured_output.py). The runner's sampler masks the logits with the bitmask
-(minicore/model/sampler.py). xgrammar and its tokenizer table load on the first structured request.
+grammar (xgrammar's GrammarCompiler; small constraints on a thread of their own) or finds it in
+the cache (keyed by the constraint and bounded by VLLM_XGRAMMAR_CACHE_MB, as vLLM's, but
+minicore's own: CompiledGrammarCache); the scheduler calls promote_compiled, grammar_bitmask and
+accept_tokens (minicore/scheduler/structured_output.py). The runner's sampler masks the logits
+with the bitmask (minicore/model/sampler.py). xgrammar and its tokenizer table load on the first
+structured request.
 Left out: the guidance and outlines backends, structural tags, reasoning parsers, and drafts
 (structured outputs are refused with speculative decoding and with async scheduling, whose next
 step is scheduled before the matcher has seen this step's token).
 """
 
 import logging
+import os
+import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -25,8 +30,11 @@ from minicore.structured_output.params import StructuredOutputsParams, build_gra
 
 logger = logging.getLogger(__name__)
 
-# vLLM's VLLM_XGRAMMAR_CACHE_MB default.
-CACHE_LIMIT_BYTES = 512 << 20
+# The compiled-grammar cache's bound, read as vLLM reads it (VLLM_XGRAMMAR_CACHE_MB, default 512).
+CACHE_MB_ENV, DEFAULT_CACHE_MB = "VLLM_XGRAMMAR_CACHE_MB", 512
+# A constraint this short compiles in milliseconds: it gets a thread of its own, so that it never
+# waits behind a large one (a 20,000-string enum compiles for seconds).
+SMALL_GRAMMAR_CHARS = 4096
 
 
 @dataclass(slots=True, eq=False)
@@ -37,14 +45,46 @@ class StructuredOutputRequest:
     matcher: object = None
 
 
+class CompiledGrammarCache:
+    """The compiled grammars of recent constraints, least recently used out first, their
+    memory_size_bytes together at most limit_bytes. Not xgrammar's own cache: with it (0.2.8) the
+    process grew about 10 times its limit before it plateaued, and compiles took twice as long
+    (docs/BENCHMARKS.md); a compiled grammar's memory_size_bytes is within 25% of what it holds."""
+
+    def __init__(self, limit_bytes: int):
+        self.limit_bytes = limit_bytes
+        self.size_bytes = 0
+        self._entries: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()  # the two compile threads share it
+
+    def get(self, key):
+        with self._lock:
+            if (compiled := self._entries.get(key)) is not None:
+                self._entries.move_to_end(key)
+            return compiled
+
+    def put(self, key, compiled) -> None:
+        with self._lock:
+            if key in self._entries or compiled.memory_size_bytes > self.limit_bytes:
+                return
+            self._entries[key] = compiled
+            self.size_bytes += compiled.memory_size_bytes
+            while self.size_bytes > self.limit_bytes:
+                self.size_bytes -= self._entries.popitem(last=False)[1].memory_size_bytes
+
+
 class StructuredOutputManager:
-    def __init__(self, tokenizer, vocab_size: int, disable_any_whitespace: bool = False):
+    def __init__(self, tokenizer, vocab_size: int, disable_any_whitespace: bool = False,
+                 cache_limit_bytes: int = DEFAULT_CACHE_MB << 20):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.disable_any_whitespace = disable_any_whitespace
         self.compiler = None  # built by the first structured request
-        # One thread: xgrammar compiles in C++ without the GIL, off the busy loop.
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self.cache = CompiledGrammarCache(cache_limit_bytes)
+        # xgrammar compiles in C++ without the GIL, off the busy loop: small constraints on one
+        # thread, large ones on another.
+        self.executor_small = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile-small")
+        self.executor_large = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self._compiling: list[Request] = []
         # Every unfinished structured request: the per-step work walks these, not the batch.
         self._structured: list[Request] = []
@@ -64,18 +104,25 @@ class StructuredOutputManager:
             return
         if self.compiler is None:
             self.compiler = _make_compiler(self.tokenizer, self.vocab_size)
+        key = params.key()
+        executor = (self.executor_small if len(key[1]) <= SMALL_GRAMMAR_CHARS
+                    else self.executor_large)
         request.structured_output_request = StructuredOutputRequest(
-            params, self.executor.submit(self._compile, params))
+            params, executor.submit(self._compile, params, key))
         request.status = RequestStatus.WAITING_FOR_FSM
         self._compiling.append(request)
         self._structured.append(request)
 
-    def _compile(self, params: StructuredOutputsParams):
+    def _compile(self, params: StructuredOutputsParams, key):
+        if (compiled := self.cache.get(key)) is not None:
+            return compiled
         grammar = build_grammar(params, self.disable_any_whitespace)  # ValueError naming the field
         try:
-            return self.compiler.compile_grammar(grammar)
+            compiled = self.compiler.compile_grammar(grammar)
         except RuntimeError as e:
             raise ValueError(f"invalid structured_outputs.{params.kind}: {e}") from None
+        self.cache.put(key, compiled)
+        return compiled
 
     def promote_compiled(self) -> None:
         """WAITING_FOR_FSM -> WAITING for each request whose grammar is ready (on the scheduler's
@@ -158,7 +205,8 @@ class StructuredOutputManager:
                                             error_message=message))
 
     def shutdown(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        for executor in (self.executor_small, self.executor_large):
+            executor.shutdown(wait=False, cancel_futures=True)
 
 
 class RefusedStructuredOutput:
@@ -186,7 +234,16 @@ def make_structured_output_manager(config, model_runner, has_logits: bool):
     if reason := structured_outputs_unsupported(config, has_logits):
         return RefusedStructuredOutput(reason)
     return StructuredOutputManager(model_runner.tokenizer, model_runner.vocab_size,
-                                   config.structured_outputs_config.disable_any_whitespace)
+                                   config.structured_outputs_config.disable_any_whitespace,
+                                   cache_limit_mb() << 20)
+
+
+def cache_limit_mb() -> int:
+    value = os.environ.get(CACHE_MB_ENV, str(DEFAULT_CACHE_MB))
+    if not value.isdigit():
+        raise ValueError(f"{CACHE_MB_ENV} must be a whole number of MiB (0 for no cache), got "
+                         f"{value!r}")
+    return int(value)
 
 
 def structured_outputs_unsupported(config, has_logits: bool) -> str | None:
@@ -205,5 +262,4 @@ def _make_compiler(tokenizer, vocab_size: int):
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True,
-                               cache_limit_bytes=CACHE_LIMIT_BYTES)
+    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)

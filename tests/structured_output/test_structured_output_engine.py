@@ -166,12 +166,12 @@ def test_an_abort_while_the_grammar_compiles_leaves_nothing(llm):
 
 
 def test_a_compile_whose_request_left_is_dropped_and_holds_nothing_back(llm):
-    """Grammars compile one at a time: one queued for a request aborted meanwhile (its client
+    """Small grammars compile one at a time: one queued for a request aborted meanwhile (its client
     left) is cancelled, so that the next request's grammar is not kept waiting behind it."""
     engine = llm.llm_engine
     manager = engine.structured_output_manager
     gate = threading.Event()
-    manager.executor.submit(gate.wait, 30)  # the compiling thread, busy
+    manager.executor_small.submit(gate.wait, 30)  # the small grammars' thread, busy
     engine.add_request(Request("left", [1, 2, 3], structured(json={
         "type": "object", "properties": {"left": {"type": "integer"}}}), eos_token_id=0))
     engine.add_request(Request("stays", [1, 2, 3], structured(max_tokens=4, choice=["x", "y"]),
