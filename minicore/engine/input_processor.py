@@ -64,7 +64,7 @@ class InputProcessor:
         self.extra_eos_token_ids = [t for t in eos_ids if t != tokenizer.eos_token_id]
         # Whose check kv_transfer_params pass: the configured connector's (its class only: the
         # connector itself lives in the engine); the base class's, which passes all, without one.
-        kv_config = config.kv_transfer_config
+        self.kv_transfer_config = kv_config = config.kv_transfer_config
         self.kv_connector_class = (KVConnectorBase_V1 if kv_config is None
                                    else KVConnectorFactory.get_connector_class(kv_config))
         self.block_size = config.cache_config.block_size
@@ -132,7 +132,8 @@ class InputProcessor:
             return
         try:
             self.kv_connector_class.validate_kv_transfer_params(
-                params.kv_transfer_params, num_prompt_tokens, self.block_size)
+                params.kv_transfer_params, num_prompt_tokens, self.block_size,
+                self.kv_transfer_config)
         except ValueError as e:
             raise InvalidRequestError(str(e), "kv_transfer_params") from None
 

@@ -61,6 +61,10 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 (vLLM's name)
     def role(self) -> KVConnectorRole:
         return self._role
 
+    @property
+    def kv_transfer_config(self):
+        return self._config.kv_transfer_config
+
     # ---- worker side ---------------------------------------------------------------------------
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
@@ -108,10 +112,11 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 (vLLM's name)
 
     @classmethod
     def validate_kv_transfer_params(cls, params: dict[str, Any], num_prompt_tokens: int,
-                                    block_size: int) -> None:
-        """ValueError, its message naming the key at fault, unless this connector can act on a
-        request's kv_transfer_params (num_prompt_tokens: the prompt's length; block_size: the
-        KV cache's). A classmethod: the frontend checks with no connector built."""
+                                    block_size: int, kv_transfer_config) -> None:
+        """ValueError, its message naming the key at fault, unless this connector, configured by
+        kv_transfer_config, can act on a request's kv_transfer_params (num_prompt_tokens: the
+        prompt's length; block_size: the KV cache's). A classmethod: the frontend checks with no
+        connector built."""
         return None
 
     @abstractmethod

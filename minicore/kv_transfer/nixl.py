@@ -29,6 +29,7 @@ from minicore.kv_transfer.nixl_metadata import (
     DEFAULT_ABORT_REQUEST_TIMEOUT_S,
     REMOTE_PREFILL_KEYS,
     NixlConnectorMetadata,
+    allowed_remote_hosts,
     engine_id,
     side_channel,
     validate_nixl_params,
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 class NixlConnector(KVConnectorBase_V1):
     def __init__(self, config: EngineConfig, role: KVConnectorRole):
         super().__init__(config, role)
+        allowed_remote_hosts(config.kv_transfer_config.kv_connector_extra_config)  # or ValueError
         self.connector_scheduler: NixlConnectorScheduler | None = None
         self.connector_worker = None
         if role == KVConnectorRole.SCHEDULER:
@@ -57,8 +59,9 @@ class NixlConnector(KVConnectorBase_V1):
 
     @classmethod
     def validate_kv_transfer_params(cls, params: dict[str, Any], num_prompt_tokens: int,
-                                    block_size: int) -> None:
-        validate_nixl_params(params, num_prompt_tokens, block_size)
+                                    block_size: int, kv_transfer_config) -> None:
+        validate_nixl_params(params, num_prompt_tokens, block_size, allowed_remote_hosts(
+            kv_transfer_config.kv_connector_extra_config))
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int, bool]:

@@ -9,6 +9,7 @@ request and no tensor-parallel or hybrid-model fields; vLLM checks no kv_transfe
 one fails inside its scheduler). Pure Python.
 """
 
+import ipaddress
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,10 @@ from minicore.sampling_checks import check_text
 DEFAULT_SIDE_CHANNEL_HOST = "localhost"
 DEFAULT_SIDE_CHANNEL_PORT = 5600
 DEFAULT_ABORT_REQUEST_TIMEOUT_S = 480.0
+# The prefill peers a decode instance reads KV from unless kv_connector_extra_config's
+# allowed_remote_hosts says otherwise: this machine only. A request names its peer, so without a
+# list anyone who reaches the decode instance could make it connect anywhere.
+DEFAULT_ALLOWED_REMOTE_HOSTS = ("localhost", "127.0.0.0/8", "::1")
 
 
 @dataclass(slots=True)
@@ -61,7 +66,37 @@ MAX_ID_CHARS = 1024
 MAX_BLOCK_ID = 2**31 - 1
 
 
-def validate_nixl_params(params: dict[str, Any], num_prompt_tokens: int, block_size: int) -> None:
+def allowed_remote_hosts(extra_config: dict[str, Any]) -> tuple[str, ...]:
+    """kv_connector_extra_config's allowed_remote_hosts: host names, IP addresses or networks
+    (CIDR), or "*" for any; ValueError naming the key if it is anything else."""
+    hosts = extra_config.get("allowed_remote_hosts", DEFAULT_ALLOWED_REMOTE_HOSTS)
+    if not isinstance(hosts, list | tuple) or not all(
+            isinstance(h, str) and (h == "*" or _HOST.fullmatch(h) or _network(h))
+            for h in hosts):
+        raise ValueError("kv_transfer_config: kv_connector_extra_config.allowed_remote_hosts must "
+                         'be a list of host names, IP addresses or networks (or ["*"] for any), '
+                         f"got {hosts!r}")
+    return tuple(hosts)
+
+
+def _network(text: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:
+    try:
+        return ipaddress.ip_network(text.strip("[]").partition("%")[0], strict=False)
+    except ValueError:
+        return None
+
+
+def _host_allowed(host: str, allowed: tuple[str, ...]) -> bool:
+    if "*" in allowed or host in allowed:
+        return True
+    address = _network(host)
+    return address is not None and address.num_addresses == 1 and any(
+        (net := _network(a)) is not None and address.version == net.version
+        and address.network_address in net for a in allowed)
+
+
+def validate_nixl_params(params: dict[str, Any], num_prompt_tokens: int, block_size: int,
+                         allowed_hosts: tuple[str, ...] = DEFAULT_ALLOWED_REMOTE_HOSTS) -> None:
     """ValueError naming the key unless NixlConnector can act on these kv_transfer_params: the
     flags are booleans (or null); with do_remote_prefill every key of REMOTE_PREFILL_KEYS is there
     and remote_block_ids is not empty; a key that is given has its type and range (a port in
@@ -91,6 +126,10 @@ def validate_nixl_params(params: dict[str, Any], num_prompt_tokens: int, block_s
     if (host := params.get("remote_host")) is not None and not _HOST.fullmatch(host):
         raise ValueError(f"kv_transfer_params.remote_host must be a host name or an IP address, "
                          f"got {repr(host)[:64]}")
+    if params.get("do_remote_prefill") and not _host_allowed(params["remote_host"], allowed_hosts):
+        raise ValueError(f"kv_transfer_params.remote_host {params['remote_host']!r} is not a "
+                         f"prefill peer this instance reads from ({', '.join(allowed_hosts)}; "
+                         "kv_connector_extra_config.allowed_remote_hosts in --kv-transfer-config)")
     if (tp_size := params.get("tp_size")) is not None and (type(tp_size) is not int
                                                            or tp_size != 1):
         raise ValueError(f"kv_transfer_params.tp_size must be 1 (minicore has no tensor "

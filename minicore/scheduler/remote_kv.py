@@ -115,7 +115,7 @@ class ConnectorRemoteKV:
         if request.kv_transfer_params is not None:
             self.connector.validate_kv_transfer_params(
                 request.kv_transfer_params, request.num_prompt_tokens,
-                self.scheduler.kv_cache_manager.block_size)
+                self.scheduler.kv_cache_manager.block_size, self.connector.kv_transfer_config)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         num_external, load_async = self.connector.get_num_new_matched_tokens(request,

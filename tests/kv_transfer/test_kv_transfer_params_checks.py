@@ -4,6 +4,7 @@ InvalidRequestError on "kv_transfer_params" (an HTTP 400), and checks nothing wi
 the engine checks again, so a request that went around the frontend is refused alone while the
 engine serves on (once, `remote_port: "abc"` raised inside schedule() and killed the engine)."""
 
+import re
 import sys
 import time
 import types
@@ -14,6 +15,7 @@ import pytest
 from minicore.config import create_engine_config
 from minicore.engine.core import EngineCore
 from minicore.engine.input_processor import InputProcessor, InvalidRequestError
+from minicore.kv_transfer.base import KVConnectorRole
 from minicore.kv_transfer.config import KVTransferConfig
 from minicore.kv_transfer.nixl import NixlConnector
 from minicore.kv_transfer.nixl_metadata import REMOTE_PREFILL_KEYS, validate_nixl_params
@@ -78,18 +80,55 @@ def test_each_bad_shape_is_refused_naming_the_key(params, key):
         validate_nixl_params(params, len(PROMPT), BLOCK_SIZE)
     # The connector's classmethod is the same check, with no connector built.
     with pytest.raises(ValueError, match=key):
-        NixlConnector.validate_kv_transfer_params(params, len(PROMPT), BLOCK_SIZE)
+        NixlConnector.validate_kv_transfer_params(params, len(PROMPT), BLOCK_SIZE,
+                                                  nixl_kv_config())
 
 
 @pytest.mark.parametrize("params", GOOD)
 def test_what_a_prefill_instance_returns_or_is_asked_for_passes(params):
-    validate_nixl_params(params, len(PROMPT), BLOCK_SIZE)
+    validate_nixl_params(params, len(PROMPT), BLOCK_SIZE, allowed_hosts=("*",))
 
 
-def nixl_config(**engine_args):
-    return create_engine_config(block_size=BLOCK_SIZE, max_model_len=64, **engine_args,
-                                kv_transfer_config=KVTransferConfig(
-                                    "NixlConnector", "kv_both", "E", {"side_channel_port": 7100}))
+@pytest.mark.parametrize("allowed, hosts_ok, hosts_refused", [
+    # The default: this machine only.
+    (None, ["localhost", "127.0.0.1", "127.0.0.2", "::1", "[::1]"],
+     ["10.1.2.3", "prefill-1", "evil.example.com", "::2", "0.0.0.0"]),
+    (["10.0.0.0/8", "prefill-1", "fd00::/8"], ["10.1.2.3", "prefill-1", "fd00::5"],
+     ["127.0.0.1", "11.0.0.1", "prefill-2", "fe80::1"]),
+    (["*"], ["10.1.2.3", "anything.example.com"], []),
+])
+def test_a_decode_instance_reads_only_from_the_allowed_prefill_hosts(allowed, hosts_ok,
+                                                                     hosts_refused):
+    """A request names the host its KV is read from: a host not allowed is refused (a 400 at the
+    server) before anything connects there."""
+    extra = {} if allowed is None else {"allowed_remote_hosts": allowed}
+    p = processor(nixl_config(extra))
+    for host in hosts_ok:
+        p.process_inputs("ok", PROMPT, SamplingParams(kv_transfer_params=dict(VALID,
+                                                                              remote_host=host)))
+    for host in hosts_refused:
+        with pytest.raises(InvalidRequestError, match=rf"remote_host '{re.escape(host)}' is not "
+                           r"a prefill peer .*allowed_remote_hosts") as e:
+            p.process_inputs("r", PROMPT, SamplingParams(kv_transfer_params=dict(
+                VALID, remote_host=host)))
+        assert e.value.param == "kv_transfer_params"
+
+
+@pytest.mark.parametrize("allowed", ["10.0.0.1", [1], ["a b"], None])
+def test_a_bad_allowed_hosts_list_stops_the_connector_naming_the_key(allowed):
+    config = nixl_config({"allowed_remote_hosts": allowed})
+    with pytest.raises(ValueError, match="kv_connector_extra_config.allowed_remote_hosts must be"):
+        NixlConnector(config, KVConnectorRole.SCHEDULER)
+
+
+def nixl_kv_config(extra: dict | None = None) -> KVTransferConfig:
+    return KVTransferConfig("NixlConnector", "kv_both", "E", {"side_channel_port": 7100,
+                                                              **(extra or {})})
+
+
+def nixl_config(extra: dict | None = None):
+    return create_engine_config(block_size=BLOCK_SIZE, max_model_len=64,
+                                kv_transfer_config=nixl_kv_config(extra))
 
 
 def processor(config) -> InputProcessor:
