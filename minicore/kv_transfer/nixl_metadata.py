@@ -22,6 +22,9 @@ from minicore.sampling_checks import check_text
 DEFAULT_SIDE_CHANNEL_HOST = "localhost"
 DEFAULT_SIDE_CHANNEL_PORT = 5600
 DEFAULT_ABORT_REQUEST_TIMEOUT_S = 480.0
+# minicore's: how long a decode instance's READ may stay in flight before it is cancelled and the
+# request recomputes (a READ of a prompt's blocks takes milliseconds; a stopped peer, for ever).
+DEFAULT_READ_TIMEOUT_S = 30.0
 # The prefill peers a decode instance reads KV from unless kv_connector_extra_config's
 # allowed_remote_hosts says otherwise: this machine only. A request names its peer, so without a
 # list anyone who reaches the decode instance could make it connect anywhere.

@@ -16,8 +16,9 @@ Mirrors NixlConnectorWorker in vllm/distributed/kv_transfer/kv_connector/v1/nixl
 - start_load_kv starts one READ per request, local block i from the remote request's matching
   block, with the remote request id as the notification NIXL delivers to the prefill side when
   the read completes; a request with no block to read only sends that notification.
-- get_finished: reads done (or failed: their blocks reported invalid), and on the prefill side,
-  notifications received and held requests whose deadline passed.
+- get_finished: reads done (or failed: their blocks reported invalid; a READ still in flight
+  after read_timeout is cancelled and fails), and on the prefill side, notifications received and
+  held requests whose deadline passed.
 The READ is one-sided: the prefill instance's engine does nothing for it, but NIXL's progress
 thread must run (with it off, a READ from an idle instance never completes). A peer that died
 fails the READ (NIXL_ERR_REMOTE_DISCONNECT); its agent is then forgotten, so a restarted peer is
@@ -37,6 +38,7 @@ import zmq
 from minicore.config import EngineConfig
 from minicore.kv_transfer.nixl_metadata import (
     DEFAULT_ABORT_REQUEST_TIMEOUT_S,
+    DEFAULT_READ_TIMEOUT_S,
     NixlConnectorMetadata,
     ReqMeta,
     engine_id,
@@ -107,6 +109,8 @@ class NixlConnectorWorker:
         self.handshake_timeout = float(kv_config.get_from_extra_config("handshake_timeout", 5.0))
         self.abort_request_timeout = float(kv_config.get_from_extra_config(
             "abort_request_timeout", DEFAULT_ABORT_REQUEST_TIMEOUT_S))
+        self.read_timeout = float(kv_config.get_from_extra_config("read_timeout",
+                                                                  DEFAULT_READ_TIMEOUT_S))
         backends = kv_config.get_from_extra_config("backends", ["UCX"])
         self.agent = nixl_agent(f"minicore-{self.engine_id}",
                                 nixl_agent_config(enable_prog_thread=True, backends=backends))
@@ -116,8 +120,9 @@ class NixlConnectorWorker:
         self._metadata: NixlAgentMetadata | None = None
         # Remote engine id -> (agent name, prepared descriptor list, its num_blocks).
         self._remote: dict[str, tuple[str, object, int]] = {}
-        # Reads in flight: request id -> (transfer handle, local block ids, remote engine id).
-        self._recving: dict[str, tuple[object, list[int], str]] = {}
+        # Reads in flight: request id -> (transfer handle, local block ids, remote engine id,
+        # time.perf_counter() deadline).
+        self._recving: dict[str, tuple[object, list[int], str, float]] = {}
         self._failed_recving: set[str] = set()
         self._invalid_block_ids: set[int] = set()
         # Held requests and their deadlines; notifications that came before the request did.
@@ -267,7 +272,8 @@ class NixlConnectorWorker:
         if self.agent.transfer(handle) == "ERR":
             self.agent.release_xfer_handle(handle)
             raise RuntimeError("NIXL could not post the READ")
-        self._recving[req_id] = (handle, local_ids, meta.remote_engine_id)
+        self._recving[req_id] = (handle, local_ids, meta.remote_engine_id,
+                                 time.perf_counter() + self.read_timeout)
 
     def _fail(self, req_id: str, block_ids: list[int]) -> None:
         self._failed_recving.add(req_id)
@@ -283,14 +289,23 @@ class NixlConnectorWorker:
         done = self._failed_recving
         self._failed_recving = set()
         failed_engines = set()
-        for req_id, (handle, block_ids, remote_engine_id) in list(self._recving.items()):
+        now = time.perf_counter()
+        for req_id, (handle, block_ids, remote_engine_id, deadline) in list(
+                self._recving.items()):
             try:
                 state = self.agent.check_xfer_state(handle)
             except Exception as e:  # NIXL raises for a peer that went away mid-transfer
                 state = f"ERR: {e}"
             if state == "PROC":
-                continue
-            self.agent.release_xfer_handle(handle)
+                # A peer that stopped answering (its NIXL progress thread with it) leaves the
+                # READ in flight for ever: past the deadline it is cancelled and the request
+                # recomputes. One NIXL cannot cancel yet may still write: its blocks stay, and
+                # the cancel is tried again a deadline later.
+                if now < deadline or not self._cancel(req_id, handle, block_ids, remote_engine_id):
+                    continue
+                state = f"not done within read_timeout {self.read_timeout:g} s, cancelled"
+            else:
+                self.agent.release_xfer_handle(handle)
             del self._recving[req_id]
             if state != "DONE":
                 logger.warning("KV read for request %s failed (%s): it recomputes", req_id, state)
@@ -303,6 +318,17 @@ class NixlConnectorWorker:
         for remote_engine_id in failed_engines:
             self._forget_remote(remote_engine_id)
         return done or None
+
+    def _cancel(self, req_id: str, handle, block_ids: list[int], remote_engine_id: str) -> bool:
+        try:
+            self.agent.release_xfer_handle(handle)  # cancels a READ in flight, or raises
+        except Exception as e:
+            logger.warning("KV read for request %s is past read_timeout and NIXL cannot cancel "
+                           "it yet (%s): trying again in %g s", req_id, e, self.read_timeout)
+            self._recving[req_id] = (handle, block_ids, remote_engine_id,
+                                     time.perf_counter() + self.read_timeout)
+            return False
+        return True
 
     def _get_finished_sending(self) -> set[str] | None:
         now = time.perf_counter()
@@ -336,7 +362,7 @@ class NixlConnectorWorker:
             self._listener.join()
             self._listener = None
         self._ctx.destroy(linger=0)  # closes the side channel's socket
-        for handle, _, _ in self._recving.values():
+        for handle, *_ in self._recving.values():
             self.agent.release_xfer_handle(handle)
         self._recving.clear()
         for remote_engine_id in list(self._remote):

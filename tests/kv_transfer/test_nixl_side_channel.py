@@ -2,9 +2,12 @@
 NIXL needed): its port is bound in the constructor, so a port in use is a ListenError naming
 side_channel_port before any agent exists (end to end: tests/entrypoints/test_port_clashes.py);
 it listens on side_channel_host only; whatever a peer sends, the thread answers on; and a thread
-that fails anyway makes the next step raise, never leaves the engine running without it."""
+that fails anyway makes the next step raise, never leaves the engine running without it. And the
+worker's READ deadline: a READ still in flight after read_timeout is cancelled and its request
+recomputes; one NIXL cannot cancel keeps its blocks until a later try succeeds."""
 
 import socket
+import time
 
 import msgspec
 import psutil
@@ -15,6 +18,7 @@ import zmq
 from minicore.config import create_engine_config
 from minicore.kv_transfer import nixl_worker
 from minicore.kv_transfer.config import KVTransferConfig
+from minicore.kv_transfer.nixl_metadata import NixlConnectorMetadata, ReqMeta
 from minicore.kv_transfer.nixl_worker import GET_META_MSG, NixlAgentMetadata, NixlConnectorWorker
 from minicore.utils import ListenError, free_port_pair
 
@@ -156,3 +160,56 @@ def test_a_listener_that_fails_fails_the_next_step(caplog):
     finally:
         worker.shutdown()
     assert real.closed
+
+
+class StalledReadAgent(StubAgent):
+    """A peer that never answers: every READ stays in flight; cancels fail cancel_failures times
+    first."""
+
+    def __init__(self, name: str, config: dict):
+        super().__init__(name, config)
+        self.released, self.cancel_failures = [], 0
+
+    def make_prepped_xfer(self, op, local, local_ids, remote, remote_ids, notif):
+        return ("read", notif)
+
+    def transfer(self, handle) -> str:
+        return "PROC"
+
+    def check_xfer_state(self, handle) -> str:
+        return "PROC"
+
+    def remove_remote_agent(self, name: str) -> None:
+        pass
+
+    def release_xfer_handle(self, handle) -> None:
+        if self.cancel_failures:
+            self.cancel_failures -= 1
+            raise RuntimeError("NIXL_ERR_REPOST_ACTIVE")
+        self.released.append(handle)
+
+
+@pytest.mark.parametrize("cancel_failures", [0, 1])
+def test_a_read_past_read_timeout_is_cancelled_and_its_request_recomputes(monkeypatch,
+                                                                          cancel_failures):
+    monkeypatch.setattr(nixl_worker, "_import_nixl",
+                        lambda: (StalledReadAgent, lambda **kw: kw))
+    port = free_port_pair()
+    worker = NixlConnectorWorker(config(port, read_timeout=0.3))
+    try:
+        worker.register_kv_caches(kv_caches())
+        worker.agent.cancel_failures = cancel_failures
+        worker._remote["P"] = ("peer", "dlist", NUM_BLOCKS)  # as after a handshake
+        worker.start_load_kv(NixlConnectorMetadata(reqs_to_recv={
+            "r": ReqMeta([0, 1], [2, 3], "P", "localhost", port + 1, "remote-r")}))
+        assert worker.get_finished() == (None, None)
+        time.sleep(0.35)
+        if cancel_failures:  # not cancelled: still in flight, its blocks still its own
+            assert worker.get_finished() == (None, None)
+            assert worker.get_block_ids_with_load_errors() == set()
+            time.sleep(0.35)
+        assert worker.get_finished() == (None, {"r"})
+        assert worker.get_block_ids_with_load_errors() == {0, 1}
+        assert worker.agent.released == [("read", b"remote-r")]
+    finally:
+        worker.shutdown()
