@@ -3,6 +3,8 @@ needed): the request's blocks are reported invalid, and the peer is forgotten (i
 so that an instance restarted under the same engine id is handshaken afresh (found end to end:
 tests/kv_transfer/test_disaggregation_e2e.py kills a prefill instance while it is read)."""
 
+import time
+
 from minicore.kv_transfer.nixl_worker import NixlConnectorWorker
 
 
@@ -32,8 +34,9 @@ def _worker(states: dict[str, str]) -> NixlConnectorWorker:
     worker.agent = StubAgent(states)
     worker._remote = {"dead": ("agent-dead", "dlist-dead", 8), "alive": ("agent-alive",
                                                                          "dlist-alive", 8)}
-    worker._recving = {"a": ("h-a", [3, 4], "dead"), "b": ("h-b", [5], "dead"),
-                       "c": ("h-c", [6], "alive"), "d": ("h-d", [7], "alive")}
+    deadline = time.perf_counter() + 60  # none past its read_timeout
+    worker._recving = {"a": ("h-a", [3, 4], "dead", deadline), "b": ("h-b", [5], "dead", deadline),
+                       "c": ("h-c", [6], "alive", deadline), "d": ("h-d", [7], "alive", deadline)}
     worker._failed_recving = set()
     worker._invalid_block_ids = set()
     return worker
