@@ -1,15 +1,18 @@
 """Two processes, two NIXL agents: the consumer reads a held request's blocks from the producer
 with a one-sided READ, the producer learns of it by NIXL's notification, and the bytes are equal
-(tests/kv_transfer/nixl_peer.py does each side). Also: a NixlConnector without NIXL refuses
-clearly."""
+(tests/kv_transfer/nixl_peer.py does each side); a READ from a peer that stopped is cancelled at
+the consumer's read_timeout. Also: a NixlConnector without NIXL refuses clearly."""
 
 import importlib.util
 import os
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from nixl_peer import LOCAL_BLOCKS
 
 from minicore.utils import free_port_pair
 
@@ -19,10 +22,18 @@ HAS_NIXL = importlib.util.find_spec("nixl") is not None and importlib.util.find_
     "nixl._api") is not None
 
 
-def _start(role: str, port: int) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def _start(role: str, port: int, **env) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
     return subprocess.Popen([sys.executable, str(PEER), role, str(port), "engine-p"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_line(proc: subprocess.Popen, expected: str) -> None:
+    for line in proc.stdout:
+        if line.strip() == expected:
+            return
+    pytest.fail(f"{proc.args[2]} exited with {proc.wait()} before saying {expected!r}")
 
 
 @pytest.mark.skipif(not HAS_NIXL, reason="nixl is not installed (scripts/setup.sh installs it)")
@@ -30,11 +41,7 @@ def test_two_processes_read_blocks_byte_for_byte():
     port = free_port_pair()
     producer = _start("producer", port)
     try:
-        for line in producer.stdout:  # the handshake listener is up once it says ready
-            if line.strip() == "ready":
-                break
-        else:
-            pytest.fail(f"the producer exited with {producer.wait()} before it was ready")
+        _wait_for_line(producer, "ready")  # the handshake listener is up
         consumer = _start("consumer", port)
         out, _ = consumer.communicate(timeout=45)
         assert consumer.returncode == 0, out
@@ -44,6 +51,31 @@ def test_two_processes_read_blocks_byte_for_byte():
         assert producer.returncode == 0, rest
     finally:
         producer.kill()
+
+
+@pytest.mark.skipif(not HAS_NIXL, reason="nixl is not installed (scripts/setup.sh installs it)")
+def test_a_read_from_a_stopped_peer_is_cancelled_at_its_deadline():
+    """A peer that stops answering (SIGSTOP) after a first read: the second READ never completes,
+    so at read_timeout (2 s here) the consumer cancels it and reports its blocks failed (the
+    request then recomputes). Over UCX's tcp transport: on one host its cma transport reads the
+    stopped process's memory without it."""
+    port = free_port_pair()
+    holder = _start("holder", port, UCX_TLS="tcp")
+    try:
+        _wait_for_line(holder, "ready")
+        consumer = _start("stalled-consumer", port, UCX_TLS="tcp")
+        _wait_for_line(consumer, "read once")
+        os.kill(holder.pid, signal.SIGSTOP)
+        out, _ = consumer.communicate("go\n", timeout=45)
+        assert consumer.returncode == 0, out
+        ended = re.search(r"second read ended after ([\d.]+) s, failed blocks \[(.*)\]", out)
+        assert ended, out
+        assert 2 <= float(ended[1]) < 10
+        assert [int(b) for b in ended[2].split(", ")] == sorted(LOCAL_BLOCKS)
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)
+        holder.kill()
+        holder.wait()
 
 
 def test_the_worker_refuses_without_nixl(monkeypatch):
