@@ -90,7 +90,7 @@ def _network(text: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:
 
 
 def _host_allowed(host: str, allowed: tuple[str, ...]) -> bool:
-    if "*" in allowed or host in allowed:
+    if "*" in allowed or host.lower() in (a.lower() for a in allowed):  # names ignore case
         return True
     address = _network(host)
     return address is not None and address.num_addresses == 1 and any(

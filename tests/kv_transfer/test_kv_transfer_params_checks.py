@@ -91,7 +91,7 @@ def test_what_a_prefill_instance_returns_or_is_asked_for_passes(params):
 
 @pytest.mark.parametrize("allowed, hosts_ok, hosts_refused", [
     # The default: this machine only.
-    (None, ["localhost", "127.0.0.1", "127.0.0.2", "::1", "[::1]"],
+    (None, ["localhost", "LocalHost", "127.0.0.1", "127.0.0.2", "::1", "[::1]"],
      ["10.1.2.3", "prefill-1", "evil.example.com", "::2", "0.0.0.0"]),
     (["10.0.0.0/8", "prefill-1", "fd00::/8"], ["10.1.2.3", "prefill-1", "fd00::5"],
      ["127.0.0.1", "11.0.0.1", "prefill-2", "fe80::1"]),
