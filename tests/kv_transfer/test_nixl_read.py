@@ -59,7 +59,7 @@ def test_a_read_from_a_stopped_peer_is_cancelled_at_its_deadline():
     (seen with UCX's default transports and with UCX_TLS=tcp alike), so at read_timeout (2 s here)
     the consumer cancels it and reports its blocks failed (the request then recomputes)."""
     port = free_port_pair()
-    holder = _start("holder", port)
+    holder, consumer = _start("holder", port), None
     try:
         _wait_for_line(holder, "ready")
         consumer = _start("stalled-consumer", port)
@@ -73,8 +73,10 @@ def test_a_read_from_a_stopped_peer_is_cancelled_at_its_deadline():
         assert [int(b) for b in ended[2].split(", ")] == sorted(LOCAL_BLOCKS)
     finally:
         os.kill(holder.pid, signal.SIGCONT)
-        holder.kill()
-        holder.wait()
+        for proc in (holder, consumer):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
 
 
 def test_the_worker_refuses_without_nixl(monkeypatch):
