@@ -36,7 +36,7 @@ class FinishReason(enum.IntEnum):
     STOP = 0
     LENGTH = 1
     ABORT = 2
-    # The engine refused the request (vLLM: a request that failed for itself alone).
+    # The engine refused the request, or it failed there (EngineCoreOutput.failed), alone.
     ERROR = 3
 
     def __str__(self) -> str:
@@ -119,7 +119,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None
     num_cached_tokens: int = 0
-    # Why the engine refused the request (finish_reason ERROR).
+    # Why the request finished with ERROR: the engine refused it (the caller's fault) or, with
+    # failed, it failed there once accepted (vLLM's FINISHED_ERROR; a server error).
     error_message: str | None = None
     # What the KV connector returns for a finished request (request_finished): a prefill
     # instance's remote_engine_id, remote_block_ids, ... for the decode instance. None costs one
@@ -131,6 +132,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     new_prompt_logprobs: LogprobsLists | None = None
     # The request's engine events since its previous output (None: none).
     events: list[EngineCoreEvent] | None = None
+    failed: bool = False
 
     @property
     def finished(self) -> bool:
@@ -148,8 +150,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # Of num_waiting_reqs, those parked while a KV connector loads their KV (vLLM counts them
     # apart, as num_skipped_waiting_reqs: num_requests_waiting_by_reason{reason="deferred"}).
     num_deferred_waiting_reqs: int = 0
-    # None without speculative decoding.
-    spec_decoding_stats: SpecDecodingStats | None = None
+    spec_decoding_stats: SpecDecodingStats | None = None  # None without speculative decoding
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -166,8 +167,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     engine_index: int = 0
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: SchedulerStats | None = None
-    # time.monotonic() in the engine when the frame was made.
-    timestamp: float = 0.0
+    timestamp: float = 0.0  # time.monotonic() in the engine when the frame was made
     utility_output: UtilityOutput | None = None
     # ADD messages the engine has taken so far: the frontend's load balancer counts the requests
     # sent that an engine's stats do not include yet.

@@ -9,7 +9,11 @@ import pytest
 from test_detokenizer import ByteTokenizer
 
 from minicore.engine.input_processor import InvalidRequestError
-from minicore.engine.output_processor import OutputProcessor, RequestOutputCollector
+from minicore.engine.output_processor import (
+    OutputProcessor,
+    RequestFailedError,
+    RequestOutputCollector,
+)
 from minicore.outputs import Logprob
 from minicore.protocol import EngineCoreOutput, EngineCoreRequest, LogprobsLists
 from minicore.request import FinishReason
@@ -67,6 +71,22 @@ async def test_a_refused_request_raises_in_its_stream_alone(processor):
     assert (await asyncio.wait_for(beside.get(), 1)).outputs[0].text == "x"
     assert processor.finished == [("bad", "error")]
     assert list(processor.request_states) == ["good"]
+
+
+async def test_a_request_that_failed_in_the_engine_raises_a_server_error_in_its_stream(processor):
+    """A KV load failed under kv_load_failure_policy "fail": not the caller's mistake (the server
+    answers 500, not 400); offline, its output finishes with "error"."""
+    failed = RequestOutputCollector()
+    processor.add_request(request("f"), None, failed)
+    processor.add_request(request("offline"), None)
+    result = processor.process_outputs([
+        EngineCoreOutput(r, [], FinishReason.ERROR, error_message="its KV load failed",
+                         failed=True) for r in ("f", "offline")])
+    with pytest.raises(RequestFailedError, match="'f' failed in the engine: its KV load failed"):
+        await asyncio.wait_for(failed.get(), 1)
+    (output,) = result.request_outputs
+    assert output.finished and output.outputs[0].finish_reason == "error"
+    assert processor.finished == [("f", "error"), ("offline", "error")]
 
 
 async def test_abort_and_a_dead_engine_end_the_streams(processor):

@@ -1,21 +1,21 @@
 """The frontend's side of each request: engine outputs in, text, finish state and streams out.
 
 Mirrors vllm/v1/engine/output_processor.py: OutputProcessor keeps a RequestState per request,
-detokenizes incrementally, applies stop strings (the engine only knows stop tokens, so a stop
-string finishes the request here and the caller aborts it in the engine; a request the engine
-refused ends its stream with InvalidRequestError), keeps each request's RequestStateStats as
-vLLM's IterationStats.update_from_output/update_from_events do (queued and scheduled times from the
-engine's events, first and last token times from the engine's frame timestamps, so that queue,
-prefill, decode and inference times are differences of one engine's clock; the time to first token
-is the frontend's own), and hands results over: to the request's RequestOutputCollector (AsyncLLM's
-streams) or, for a request without one (the offline LLM), as a RequestOutput once it finishes.
-Streaming holds back the last len(longest stop string) - 1 characters until they cannot start a
-stop string any more (nothing is held back with include_stop_str_in_output). Logprobs go through
-each request's LogprobsProcessor (minicore/engine/logprobs.py); a RequestOutput carries all of
-them so far. An engine output that only carries prompt logprobs (a chunked prefill) wakes no
-stream: they come with the first token, as vLLM returns them at the end of prefill. Left out: n > 1
-fan-out (the offline LLM's), pooling outputs, iteration stats objects (the metrics hooks below take
-their place).
+detokenizes incrementally, applies stop strings (the engine only knows stop tokens, so a stop string
+finishes the request here and the caller aborts it in the engine; a request the engine refused ends
+its stream with InvalidRequestError, one that failed there with RequestFailedError), keeps each
+request's RequestStateStats as vLLM's IterationStats.update_from_output/update_from_events do
+(queued and scheduled times from the engine's events, first and last token times from the engine's
+frame timestamps, so that queue, prefill, decode and inference times are differences of one engine's
+clock; the time to first token is the frontend's own), and hands results over: to the request's
+RequestOutputCollector (AsyncLLM's streams) or, for a request without one (the offline LLM), as a
+RequestOutput once it finishes. Streaming holds back the last len(longest stop string) - 1
+characters until they cannot start a stop string any more (nothing is held back with
+include_stop_str_in_output). Logprobs go through each request's LogprobsProcessor
+(minicore/engine/logprobs.py); a RequestOutput carries all of them so far. An engine output that
+only carries prompt logprobs (a chunked prefill) wakes no stream: they come with the first token, as
+vLLM returns them at the end of prefill. Left out: n > 1 fan-out (the offline LLM's), pooling
+outputs, iteration stats objects (the metrics hooks below take their place).
 """
 
 import asyncio
@@ -29,6 +29,19 @@ from minicore.engine.logprobs import LogprobsProcessor
 from minicore.outputs import CompletionOutput, RequestOutput, RequestStateStats
 from minicore.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreRequest, FinishReason
 from minicore.sampling_params import SamplingParams
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed in the engine, which serves on (vLLM's finish_reason "error"): a
+    server error, where InvalidRequestError is the caller's."""
+
+
+def _request_error(output: EngineCoreOutput) -> Exception:
+    if output.failed:
+        return RequestFailedError(f"request {output.request_id!r} failed in the engine: "
+                                  f"{output.error_message}")
+    return InvalidRequestError(f"the engine refused request {output.request_id!r}: "
+                               f"{output.error_message}")
 
 
 class RequestOutputCollector:
@@ -215,9 +228,7 @@ class OutputProcessor:
                 self.on_new_tokens(state, len(output.new_token_ids), interval)
             if state.queue is not None and (output.new_token_ids or state.finished):
                 if output.finish_reason is FinishReason.ERROR:
-                    state.queue.fail(InvalidRequestError(
-                        f"the engine refused request {output.request_id!r}: "
-                        f"{output.error_message}"))
+                    state.queue.fail(_request_error(output))
                 else:
                     state.queue.notify()
             if state.finished:

@@ -29,6 +29,7 @@ import minicore
 from minicore.config import EngineConfig
 from minicore.engine.async_llm import AsyncLLM
 from minicore.engine.core_client import EngineDeadError
+from minicore.engine.output_processor import RequestFailedError
 from minicore.entrypoints.dev_endpoints import attach_dev_routes, dev_mode
 from minicore.entrypoints.metrics import ServerMetrics, StatsLogger
 from minicore.entrypoints.openai_protocol import (
@@ -144,6 +145,10 @@ def _add_exception_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_, e: EngineDeadError):
         return error_response(OpenAIError(str(e), 503))
+
+    @app.exception_handler(RequestFailedError)
+    async def request_failed(_, e: RequestFailedError):
+        return error_response(OpenAIError(str(e), 500))
 
     @app.exception_handler(Exception)
     async def internal_error(_, e: Exception):

@@ -22,6 +22,7 @@ from contextlib import aclosing
 import msgspec
 
 from minicore.engine.core_client import EngineDeadError
+from minicore.engine.output_processor import RequestFailedError
 from minicore.entrypoints.logprobs_format import LogprobsFormatter, prompt_logprobs_json
 from minicore.entrypoints.openai_protocol import (
     SSE_DONE,
@@ -120,7 +121,7 @@ class OpenAIServing(OpenAIServingBase):
             if request.include_usage:
                 yield sse(CompletionResponse(id=response_id, created=created, model=model,
                                              choices=[], usage=self._usage(choices)))
-        except (OpenAIError, EngineDeadError) as e:
+        except (OpenAIError, EngineDeadError, RequestFailedError) as e:
             yield self._stream_error(e)
         yield SSE_DONE
 
@@ -249,6 +250,6 @@ class OpenAIServing(OpenAIServingBase):
                             choice.stop_reason, logprobs)], continuous(choice))
             if request.include_usage:
                 yield chunk([], self._usage(choices))
-        except (OpenAIError, EngineDeadError) as e:
+        except (OpenAIError, EngineDeadError, RequestFailedError) as e:
             yield self._stream_error(e)
         yield SSE_DONE

@@ -4,8 +4,7 @@ Mirrors vllm/config/kv_transfer.py (KVTransferConfig) with the fields a NixlConn
 kv_connector, kv_role, engine_id, kv_connector_extra_config, kv_connector_module_path. Left out:
 kv_buffer_device/size, kv_rank, kv_parallel_size, kv_ip/kv_port (NIXL's side channel is set in
 kv_connector_extra_config, where vLLM reads VLLM_NIXL_SIDE_CHANNEL_HOST/PORT from the
-environment) and the load-failure policy (minicore always recomputes). Pure Python: minicore.config
-imports it.
+environment). Pure Python: minicore.config imports it.
 """
 
 import uuid
@@ -15,6 +14,7 @@ from typing import Any
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 # Connectors built in; another one is named with kv_connector_module_path.
 KNOWN_CONNECTORS = ("NixlConnector",)
+LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
 @dataclass(slots=True)
@@ -32,6 +32,10 @@ class KVTransferConfig:
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
     # The module to import kv_connector from, for a connector minicore does not ship.
     kv_connector_module_path: str | None = None
+    # What a decode instance does with a request whose KV could not be loaded (a read that
+    # failed, or one that never started): "recompute" its prompt here, or "fail" it with an
+    # error (for decode instances that must not spend their steps on prefills).
+    kv_load_failure_policy: str = "recompute"
 
     def __post_init__(self):
         if not self.kv_connector:
@@ -44,6 +48,10 @@ class KVTransferConfig:
         if self.kv_role not in KV_ROLES:
             raise ValueError(f"kv_transfer_config: kv_role must be one of {', '.join(KV_ROLES)}, "
                              f"got {self.kv_role!r}")
+        if self.kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
+            raise ValueError("kv_transfer_config: kv_load_failure_policy must be one of "
+                             f"{', '.join(LOAD_FAILURE_POLICIES)}, got "
+                             f"{self.kv_load_failure_policy!r}")
         if not isinstance(self.engine_id, str) or not self.engine_id:
             raise ValueError(f"kv_transfer_config: engine_id must be a non-empty string, got "
                              f"{self.engine_id!r}")

@@ -19,20 +19,22 @@ Request states (decode side, the consumer):
   A parked request with no load in flight (connector.has_load_in_flight) after
   LOAD_START_TIMEOUT_S computes its prompt itself, as after a failed load; aborted, its blocks are
   freed at once, since nothing can be writing into them (vLLM waits for a load that never comes).
+  With kv_load_failure_policy "fail" either failure ends the request with an error instead, at
+  the step's update (vLLM's FINISHED_ERROR), its blocks held while a load may still write them.
 Prefill side (the producer): a finished request whose connector says delay_free stays in
 Scheduler.requests, its blocks held, until get_finished reports it in finished_sending (the peer
 has read them, or the connector's timeout expired); has_requests() keeps the engine stepping.
 EngineCore.add_request refuses a request whose kv_transfer_params the connector cannot act on
 (validate_request), so that no request's params raise inside schedule().
-Left out: synchronous external loads (minicore's connectors load asynchronously only), the
-"fail" load-failure policy, connector prefix-cache stats.
+Left out: synchronous external loads (minicore's connectors load asynchronously only),
+connector prefix-cache stats.
 """
 
 import logging
 import time
 from typing import TYPE_CHECKING
 
-from minicore.protocol import EngineCoreOutput
+from minicore.protocol import EngineCoreOutput, FinishReason
 from minicore.request import Request, RequestStatus
 from minicore.scheduler.output import KVConnectorOutput
 
@@ -78,8 +80,10 @@ class NoRemoteKV:
     def promote_received(self) -> None:
         """At the start of schedule(): requests whose KV arrived rejoin the waiting queue."""
 
-    def update_from_kv_xfer_finished(self, kv_connector_output: KVConnectorOutput | None) -> None:
-        """After update_from_output: what the worker side reported for the step."""
+    def update_from_kv_xfer_finished(self, kv_connector_output: KVConnectorOutput | None,
+                                     outputs: list[EngineCoreOutput]) -> None:
+        """At the end of update_from_output: what the worker side reported for the step; the
+        outputs of requests that this ends go to outputs."""
 
     def has_pending_requests(self) -> bool:
         """Whether the engine must keep stepping with no request left to run."""
@@ -110,6 +114,11 @@ class ConnectorRemoteKV:
         # Reported by the worker side since the last schedule(): their KV is in (or failed).
         self.finished_recving_kv_req_ids: set[str] = set()
         self.failed_recving_kv_req_ids: set[str] = set()
+        self.recompute_failed_loads = (
+            connector.kv_transfer_config.kv_load_failure_policy == "recompute")
+        # Under the "fail" policy: parked requests whose load failed, with why, to be ended with
+        # an error at the next update.
+        self.failed_loads: dict[str, str] = {}
 
     def validate_request(self, request: Request) -> None:
         if request.kv_transfer_params is not None:
@@ -201,11 +210,21 @@ class ConnectorRemoteKV:
             del self.load_deadlines[req_id]
             if self.connector.has_load_in_flight(req_id):
                 continue
-            logger.warning("Request %s waited %g s for its KV load to start: it computes its "
-                           "prompt itself", req_id, self.load_start_timeout)
-            self.waiting_for_remote_kvs[req_id].num_computed_tokens = 0
-            self.failed_recving_kv_req_ids.add(req_id)
-            self.finished_recving_kv_req_ids.add(req_id)
+            why = f"its KV load did not start within {self.load_start_timeout:g} s"
+            if self._load_failed(self.waiting_for_remote_kvs[req_id], 0, why):
+                self.finished_recving_kv_req_ids.add(req_id)  # no load will report it
+
+    def _load_failed(self, request: Request, num_valid_tokens: int, why: str) -> bool:
+        """A parked request's load failed after num_valid_tokens: whether it recomputes the rest
+        (once its load is reported finished) or, under the "fail" policy, is to end."""
+        if not self.recompute_failed_loads:
+            self.failed_loads[request.request_id] = why
+            return False
+        logger.warning("Request %s: %s; it computes the rest of its prompt itself",
+                       request.request_id, why)
+        request.num_computed_tokens = min(request.num_computed_tokens, num_valid_tokens)
+        self.failed_recving_kv_req_ids.add(request.request_id)
+        return True
 
     def _update_waiting_for_remote_kv(self, request: Request) -> None:
         kv = self.scheduler.kv_cache_manager
@@ -221,9 +240,14 @@ class ConnectorRemoteKV:
             # The model must run on one token at least, to sample from its logits.
             request.num_computed_tokens -= 1
 
-    def update_from_kv_xfer_finished(self, kv_connector_output: KVConnectorOutput | None) -> None:
-        if kv_connector_output is None:
-            return
+    def update_from_kv_xfer_finished(self, kv_connector_output: KVConnectorOutput | None,
+                                     outputs: list[EngineCoreOutput]) -> None:
+        if kv_connector_output is not None:
+            self._update_from_kv_connector_output(kv_connector_output)
+        if self.failed_loads:
+            self._end_failed_loads(outputs)
+
+    def _update_from_kv_connector_output(self, kv_connector_output: KVConnectorOutput) -> None:
         self.connector.update_connector_output(kv_connector_output)
         if kv_connector_output.invalid_block_ids:
             self._handle_invalid_blocks(kv_connector_output.invalid_block_ids)
@@ -248,9 +272,21 @@ class ConnectorRemoteKV:
             block_ids = kv.get_block_ids(request.request_id)
             first_bad = next((i for i, b in enumerate(block_ids) if b in invalid_block_ids), None)
             if first_bad is not None:
-                request.num_computed_tokens = min(request.num_computed_tokens,
-                                                  first_bad * kv.block_size)
-                self.failed_recving_kv_req_ids.add(request.request_id)
+                self._load_failed(request, first_bad * kv.block_size,
+                                  f"its KV load failed from block {first_bad} on")
+
+    def _end_failed_loads(self, outputs: list[EngineCoreOutput]) -> None:
+        """The "fail" policy: each request whose load failed finishes with an error (a server
+        error for its client, not a refusal: EngineCoreOutput.failed)."""
+        failed, self.failed_loads = self.failed_loads, {}
+        failed = {req_id: why for req_id, why in failed.items()
+                  if req_id in self.waiting_for_remote_kvs}  # not aborted meanwhile
+        self.scheduler.finish_requests(list(failed), RequestStatus.FINISHED_ABORTED)
+        for req_id, why in failed.items():
+            message = f"{why} (kv_load_failure_policy is 'fail')"
+            logger.error("Request %s failed: %s", req_id, message)
+            outputs.append(EngineCoreOutput(req_id, [], FinishReason.ERROR,
+                                            error_message=message, failed=True))
 
     def has_pending_requests(self) -> bool:
         return self.connector.has_pending_requests()

@@ -369,7 +369,6 @@ class Scheduler:
         sampled_token_ids = model_runner_output.sampled_token_ids
         requests = self.placeholders.requests_to_update(scheduler_output, model_runner_output,
                                                         self.requests)
-        check_stop = self._check_stop
         self.spec_decode.take_back_rejected(scheduler_output, model_runner_output, requests)
         outputs: list[EngineCoreOutput] = []
         finished: list[tuple[Request, RequestStatus, EngineCoreOutput]] = []
@@ -381,7 +380,7 @@ class Scheduler:
             status = None
             for n, token_id in enumerate(new_token_ids):
                 request.append_output_token_id(token_id)
-                if (status := check_stop(request)) is not None:
+                if (status := self._check_stop(request)) is not None:
                     new_token_ids = new_token_ids[:n + 1]
                     break
             output = EngineCoreOutput(
@@ -396,5 +395,6 @@ class Scheduler:
         self.structured_output_manager.accept_tokens(outputs, requests)
         if finished:
             self._finish(finished)
-        self.remote_kv.update_from_kv_xfer_finished(model_runner_output.kv_connector_output)
+        self.remote_kv.update_from_kv_xfer_finished(model_runner_output.kv_connector_output,
+                                                    outputs)
         return outputs

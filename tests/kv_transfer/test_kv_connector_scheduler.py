@@ -23,11 +23,12 @@ from minicore.testing import fake_model_output, make_request, num_free, step
 BLOCK_SIZE, NUM_BLOCKS = 4, 32
 
 
-def make_pd_scheduler(engine_id: str) -> Scheduler:
+def make_pd_scheduler(engine_id: str, kv_load_failure_policy: str = "recompute") -> Scheduler:
     config = EngineConfig(
         cache_config=CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
         kv_transfer_config=KVTransferConfig("NixlConnector", "kv_both", engine_id,
-                                            {"side_channel_port": 7000}))
+                                            {"side_channel_port": 7000},
+                                            kv_load_failure_policy=kv_load_failure_policy))
     connector = NixlConnector(config, KVConnectorRole.SCHEDULER)
     return Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=64),
                      config.cache_config, connector)
@@ -242,6 +243,8 @@ def test_the_prefill_side_frees_held_blocks_once_read():
     ('{"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_connector_extra_config": 3}',
      "must be a JSON object"),
     ('{"kv_connector": "NixlConnector", "role": "kv_both"}', "keys among"),
+    ('{"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_load_failure_policy": "skip"}',
+     "kv_load_failure_policy must be one of recompute, fail, got 'skip'"),
 ])
 def test_bad_kv_transfer_configs_are_refused_clearly(text, message):
     result = subprocess.run([sys.executable, "-m", "minicore", "serve", "--kv-transfer-config",

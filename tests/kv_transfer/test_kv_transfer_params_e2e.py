@@ -3,8 +3,9 @@ malformed kv_transfer_params in a row, each a 400 with an OpenAI error body nami
 one of them killed the engine and every later request got a 503); its engine process is the same
 afterwards, it serves a normal request, and a well-formed decode request whose prefill instance
 does not exist (its read fails at the handshake) is computed here instead; then nothing runs or
-waits and the KV cache is empty. One server, real model (NixlConnector needs a KV cache, which
-the simulated runner has not); every wait bounded."""
+waits and the KV cache is empty; under kv_load_failure_policy "fail" that request is a 500
+instead. Real model (NixlConnector needs a KV cache, which the simulated runner has not); every
+wait bounded."""
 
 import json
 import random
@@ -34,18 +35,31 @@ SETTLE_S = 10
 MALFORMED = random.Random(24).sample(BAD, 30)
 
 
-def kv_transfer_config() -> str:
+def kv_transfer_config(**config) -> str:
     return json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both",
                        "kv_connector_extra_config": {"side_channel_port": free_port(),
-                                                     "handshake_timeout": 1}})
+                                                     "handshake_timeout": 1}, **config})
+
+
+def serve(**config) -> ServerProcess:
+    return ServerProcess("--max-model-len", "256", "--kv-cache-memory", str(32 << 20),
+                         "--block-size", str(BLOCK_SIZE),
+                         "--kv-transfer-config", kv_transfer_config(**config))
 
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess("--max-model-len", "256", "--kv-cache-memory", str(32 << 20),
-                       "--block-size", str(BLOCK_SIZE),
-                       "--kv-transfer-config", kv_transfer_config()) as server:
+    with serve() as server:
         yield server
+
+
+def wait_until_idle(http: httpx.Client, model: str) -> None:
+    deadline = time.monotonic() + SETTLE_S
+    while (state := engine_state(http, model)) != {"vllm:num_requests_running": 0,
+                                                   "vllm:num_requests_waiting": 0,
+                                                   "vllm:kv_cache_usage_perc": 0}:
+        assert time.monotonic() < deadline, state
+        time.sleep(0.2)
 
 
 def body_for(i: int, params: dict, key: str) -> tuple[str, dict]:
@@ -79,10 +93,24 @@ def test_malformed_params_are_refused_and_the_engine_serves_on(server):
         assert decoded.json()["choices"][0]["text"] == answer.json()["choices"][0]["text"]
         assert "no handshake answer" in server.log()
 
-        deadline = time.monotonic() + SETTLE_S
-        while (state := engine_state(http, model)) != {"vllm:num_requests_running": 0,
-                                                       "vllm:num_requests_waiting": 0,
-                                                       "vllm:kv_cache_usage_perc": 0}:
-            assert time.monotonic() < deadline, state
-            time.sleep(0.2)
+        wait_until_idle(http, model)
         assert server.engine_process().pid == engine_pid
+
+
+def test_with_the_fail_policy_a_failed_read_is_a_server_error_and_the_engine_serves_on():
+    """kv_load_failure_policy "fail": the same dead peer's request ends with a 500 (streamed: an
+    error event, then [DONE]) instead of being computed here; nothing is left behind."""
+    dead_peer = dict(VALID, remote_port=free_port())
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "kv_transfer_params": dead_peer}
+    with serve(kv_load_failure_policy="fail") as server, httpx.Client(
+            base_url=server.url, timeout=REQUEST_TIMEOUT_S) as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+        error = check_openai_error(post_json(http, "/v1/completions", body), 500)
+        assert "kv_load_failure_policy is 'fail'" in error["message"], error
+        streamed = http.post("/v1/completions", json={**body, "stream": True}).text
+        assert "kv_load_failure_policy is 'fail'" in streamed and '"code":500' in streamed
+        assert streamed.rstrip().endswith("data: [DONE]"), streamed
+        plain = http.post("/v1/completions", json={**body, "kv_transfer_params": None})
+        assert plain.status_code == 200, plain.text
+        assert http.get("/health").status_code == 200
+        wait_until_idle(http, model)
