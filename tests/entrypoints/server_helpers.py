@@ -166,7 +166,7 @@ class ServerProcess:
     """Use as a context manager: it returns once /health answers 200; on exit it SIGTERMs the
     server if it still runs and then SIGKILLs its whole process group."""
 
-    def __init__(self, *args: str, port: int | None = None):
+    def __init__(self, *args: str, port: int | None = None, env: dict[str, str] | None = None):
         # A given port: a server restarted where its clients expect it (the disaggregation tests).
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -175,10 +175,11 @@ class ServerProcess:
         # references, and --dtype auto would be bfloat16 on a CPU with native bfloat16.
         self.args = [*MINICORE, "serve", "--port", str(self.port),
                      "--disable-uvicorn-access-log", "--dtype", "float32", *args]
+        self.env = env
         self.proc: subprocess.Popen | ForkedProcess | None = None
 
     def __enter__(self):
-        self.proc = start_minicore(self.args, self.log_path)
+        self.proc = start_minicore(self.args, self.log_path, self.env)
         try:
             self._wait_ready()
         except BaseException:
