@@ -1,19 +1,18 @@
 """minicore: a compact, asyncio-native reimplementation of vLLM v1's engine core for data-parallel
 serving. The scheduler is pure Python; the model side (torch, transformers) loads on first use."""
 
-from minicore.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-from minicore.sampling_params import SamplingParams
+import importlib
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CacheConfig", "EngineConfig", "ParallelConfig", "SamplingParams",
-           "SchedulerConfig"]
+# Imported on first use, as vLLM's top-level attributes (vllm/__init__.py, MODULE_ATTRS): importing
+# minicore.scheduler must not import the engine's configs and, through them, every feature.
+MODULE_ATTRS = {"LLM": "minicore.llm", "CacheConfig": "minicore.config",
+                "EngineConfig": "minicore.config", "ParallelConfig": "minicore.config",
+                "SchedulerConfig": "minicore.config", "SamplingParams": "minicore.sampling_params"}
+__all__ = sorted(MODULE_ATTRS)
 
 
 def __getattr__(name: str):
-    # LLM pulls in torch and transformers: import it only when asked for, so that the scheduler
-    # and the records stay importable without them.
-    if name == "LLM":
-        from minicore.llm import LLM
-
-        return LLM
-    raise AttributeError(f"module 'minicore' has no attribute {name!r}")
+    if (module := MODULE_ATTRS.get(name)) is None:
+        raise AttributeError(f"module 'minicore' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

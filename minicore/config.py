@@ -1,7 +1,8 @@
 """Engine configuration: what to schedule, how to cache, how to parallelise.
 
 Mirrors vllm/config/ (SchedulerConfig, CacheConfig, ParallelConfig, VllmConfig; ModelConfig is in
-model/config.py), with only minicore's knobs. Pure Python: the scheduler imports it without torch.
+model/config.py), with only minicore's knobs. Pure Python, without torch. The scheduler reads the
+records it is given and imports none of this (nor the feature configs below).
 
 Each user-facing field carries its --help text in its metadata, from which
 minicore/engine/arg_utils.py makes the flags, so every default is written once, here. Fields set at
@@ -48,8 +49,8 @@ class SchedulerConfig:
     scheduler_reserve_full_isl: bool = flag(
         True, "admit a waiting request only when the KV cache has room for its whole current "
               "sequence, not just for the chunk scheduled now (vLLM's default)")
-    # A name from minicore/scheduler/policies/, checked when the Scheduler is built: importing the
-    # policies here would be an import circle (the scheduler imports this module).
+    # A name from minicore/scheduler/policies/, checked when the Scheduler is built (a policy
+    # registers itself as its file is imported: the policies stay off the config's imports).
     policy: str = flag(
         "fcfs", "the scheduling policy: the waiting queue's order and the preemption victim",
         flag="--scheduling-policy")

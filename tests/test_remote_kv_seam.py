@@ -1,9 +1,10 @@
 """The scheduler's KV-connector seam (minicore/scheduler/remote_kv.py): without a connector the
-Scheduler binds NoRemoteKV and its outputs carry no connector state; with one it binds
-ConnectorRemoteKV, which calls the connector at fixed points (admission, the step's metadata,
-finish), parks a request whose KV comes from elsewhere until it arrives, and holds a finished
-request's blocks while the connector says so. A recording connector shows the calls in order;
-tests/kv_transfer/test_kv_connector_scheduler.py runs the same paths with NixlConnector."""
+Scheduler binds NoRemoteKV and its outputs carry no connector state; with one it binds the
+connector's ConnectorRemoteKV (minicore/kv_transfer/remote_kv.py), which calls the connector at
+fixed points (admission, the step's metadata, finish), parks a request whose KV comes from
+elsewhere until it arrives, and holds a finished request's blocks while the connector says so. A
+recording connector shows the calls in order; tests/kv_transfer/test_kv_connector_scheduler.py
+runs the same paths with NixlConnector."""
 
 import pytest
 
@@ -11,10 +12,11 @@ from minicore.config import CacheConfig, EngineConfig
 from minicore.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from minicore.kv_transfer.config import KVTransferConfig
 from minicore.kv_transfer.nixl import NixlConnector
+from minicore.kv_transfer.remote_kv import ConnectorRemoteKV
 from minicore.request import RequestStatus
 from minicore.scheduler import BalanceScheduler, Scheduler
 from minicore.scheduler.output import KVConnectorOutput
-from minicore.scheduler.remote_kv import ConnectorRemoteKV, NoRemoteKV
+from minicore.scheduler.remote_kv import NoRemoteKV
 from minicore.testing import (
     fake_model_output,
     make_request,
@@ -34,7 +36,9 @@ class RecordingConnector(KVConnectorBase_V1):
 
     def __init__(self, external: dict[str, int] | None = None, delay_free: bool = False,
                  load_async: bool = True):
-        super().__init__(EngineConfig(), KVConnectorRole.SCHEDULER)
+        super().__init__(EngineConfig(kv_transfer_config=KVTransferConfig(
+            "RecordingConnector", "kv_both", kv_connector_module_path="test_remote_kv_seam")),
+            KVConnectorRole.SCHEDULER)
         self.external = external or {}
         self.delay_free = delay_free
         self.load_async = load_async

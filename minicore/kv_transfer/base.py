@@ -7,6 +7,8 @@ to the model runner, which calls only the worker-side methods). The two halves t
 the KVConnectorMetadata the scheduler side builds each step (SchedulerOutput.kv_connector_metadata)
 and the KVConnectorOutput the worker side returns (ModelRunnerOutput.kv_connector_output).
 
+Scheduler side, once: make_remote_kv, the Scheduler's component that calls the methods below
+(minicore/kv_transfer/remote_kv.py; minicore's, where vLLM's scheduler calls them itself).
 Scheduler side, per request:
   validate_kv_transfer_params a classmethod: ValueError, naming the key, for kv_transfer_params
                               the connector cannot act on (the InputProcessor and
@@ -26,7 +28,7 @@ Worker side, per step:
   start_load_kv               before the forward: start this step's reads
   wait_for_save               after the forward (a connector that writes out KV waits here)
   get_finished                requests whose sends / receives completed since the last call
-  get_block_ids_with_load_errors  blocks whose load failed (their requests recompute)
+  get_block_ids_with_load_errors  blocks whose load failed (their requests recompute, or fail)
 Pure Python: minicore.scheduler may import this module. Left out: layer-wise loading and saving
 (wait_for_layer_load, save_kv_layer), the hybrid-allocator hooks, stats and KV events.
 """
@@ -35,11 +37,14 @@ import enum
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
+from minicore.kv_transfer.remote_kv import ConnectorRemoteKV
+
 if TYPE_CHECKING:
     from minicore.config import EngineConfig
     from minicore.request import Request
     from minicore.scheduler.kv_cache_manager import KVCacheBlocks
     from minicore.scheduler.output import KVConnectorOutput, SchedulerOutput
+    from minicore.scheduler.scheduler import Scheduler
 
 
 class KVConnectorRole(enum.Enum):
@@ -109,6 +114,10 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 (vLLM's name)
         return None
 
     # ---- scheduler side ------------------------------------------------------------------------
+
+    def make_remote_kv(self, scheduler: "Scheduler") -> ConnectorRemoteKV:
+        """The component the Scheduler binds for this connector (its remote_kv)."""
+        return ConnectorRemoteKV(scheduler, self)
 
     @classmethod
     def validate_kv_transfer_params(cls, params: dict[str, Any], num_prompt_tokens: int,

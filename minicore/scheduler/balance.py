@@ -17,15 +17,13 @@ Thresholds, and their history upstream:
              DeepSeek-V3.1 W4A8.
 """
 
-from minicore.config import CacheConfig, SchedulerConfig
 from minicore.scheduler.scheduler import Scheduler
 from minicore.scheduler.structured_output import NO_STRUCTURED_OUTPUT
 
 
 class BalanceScheduler(Scheduler):
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 dp_size: int = 1, connector=None, speculative_config=None,
-                 structured_output_manager=NO_STRUCTURED_OUTPUT):
+    def __init__(self, scheduler_config, cache_config, dp_size: int = 1, connector=None,
+                 speculative_config=None, structured_output_manager=NO_STRUCTURED_OUTPUT):
         super().__init__(scheduler_config, cache_config, connector, speculative_config,
                          structured_output_manager)
         # len(running) of every DP rank after the previous step, assigned as a plain list by the

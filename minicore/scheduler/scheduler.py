@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from minicore.config import CacheConfig, SchedulerConfig
 from minicore.protocol import EngineCoreEvent, EngineCoreEventType, EngineCoreOutput, SchedulerStats
 from minicore.request import Request, RequestStatus
 from minicore.scheduler.async_scheduler import NoPlaceholders, OutputPlaceholders, ends_in_flight
@@ -31,11 +30,12 @@ from minicore.scheduler.output import (
     SchedulerOutput,
 )
 from minicore.scheduler.policies import get_policy
-from minicore.scheduler.remote_kv import ConnectorRemoteKV, NoRemoteKV
+from minicore.scheduler.remote_kv import NoRemoteKV
 from minicore.scheduler.spec_decode import DraftTokenIds, NoSpecDecode, SpecDecode
 from minicore.scheduler.structured_output import NO_STRUCTURED_OUTPUT
 
 if TYPE_CHECKING:
+    from minicore.config import CacheConfig, SchedulerConfig
     from minicore.kv_transfer.base import KVConnectorBase_V1
     from minicore.spec_decode.config import SpeculativeConfig
 
@@ -62,7 +62,7 @@ class _StepState:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+    def __init__(self, scheduler_config: "SchedulerConfig", cache_config: "CacheConfig",
                  connector: "KVConnectorBase_V1 | None" = None,
                  speculative_config: "SpeculativeConfig | None" = None,
                  structured_output_manager=NO_STRUCTURED_OUTPUT):
@@ -83,7 +83,7 @@ class Scheduler:
         self.num_preemptions = 0
         # The scheduler side of a KV connector (None without one), held by its component.
         self.connector = connector
-        self.remote_kv = NoRemoteKV() if connector is None else ConnectorRemoteKV(self, connector)
+        self.remote_kv = NoRemoteKV() if connector is None else connector.make_remote_kv(self)
         self.spec_decode = (NoSpecDecode() if speculative_config is None
                             else SpecDecode(speculative_config.num_speculative_tokens))
         self.placeholders = (OutputPlaceholders() if scheduler_config.async_scheduling
