@@ -227,7 +227,7 @@ class EngineConfig:
     def _async_unsupported(self) -> str | None:
         """What in this config async scheduling cannot run with (vLLM refuses such pairs too)."""
         if self.speculative_config is not None:
-            # The ngram drafter needs the last step's tokens before the next step is scheduled.
+            # A drafter needs the last step's tokens before the next step is scheduled.
             return f"{self.speculative_config.method} speculative decoding"
         if self.kv_transfer_config is not None:
             return "a KV connector (--kv-transfer-config)"

@@ -16,7 +16,7 @@ same order, one at a time, all from this busy loop. One iteration of a running w
      iteration, dummy ones included (inside schedule() a drained rank would never reach it).
 Waves, and why each rule holds: docs/DATA_PARALLEL.md; the frontend's side: DPCoordinator
 (minicore/dp/coordinator.py).
-Left out: elastic scaling (reinitialize_distributed), Ray actors, external load balancers.
+Left out: elastic scaling (reinitialize_distributed), external load balancers.
 """
 
 import asyncio

@@ -38,8 +38,8 @@ from minicore.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from minicore.scheduler.scheduler import Scheduler
 from minicore.scheduler.spec_decode import DraftTokenIds
 from minicore.spec_decode.config import SpeculativeConfig
+from minicore.spec_decode.drafter import decoding_requests
 from minicore.spec_decode.metrics import SpecDecodingStats, sum_spec_stats
-from minicore.spec_decode.ngram_proposer import decoding_requests
 
 
 @dataclass(slots=True)
@@ -288,7 +288,7 @@ class DPSimulator:
         """K drafts for each of the step's requests that NgramProposer would draft for, through
         the scheduler's update_draft_token_ids: the tokens the made-up model will emit, so that
         an accepted draft is the very token it would have sampled."""
-        requests = decoding_requests(scheduler, so)
+        requests = decoding_requests(scheduler.requests, so)
         k = self.config.num_speculative_tokens
         scheduler.update_draft_token_ids(DraftTokenIds(
             [r.request_id for r in requests],

@@ -20,6 +20,7 @@ from minicore.config import SUB_CONFIGS
 from minicore.kv_transfer.config import KVTransferConfig
 from minicore.scheduler.policies import get_policy, policy_names
 from minicore.spec_decode.config import SpeculativeConfig
+from minicore.spec_decode.drafter import drafters
 from minicore.structured_output.config import StructuredOutputsConfig
 
 KV_TRANSFER_HELP = (
@@ -36,7 +37,7 @@ SPECULATIVE_HELP = (
     '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, '
     '"prompt_lookup_min": 2}\' (ngram: the tokens that followed the longest earlier match of a '
     "request's last prompt_lookup_min..max tokens, default 5..5; disable_by_batch_size: no drafts "
-    "while that many requests run). ngram is the one method")
+    "while that many requests run). Methods: ")
 
 
 def add_engine_cli_args(parser: argparse.ArgumentParser,
@@ -73,7 +74,7 @@ def _record_flags():
     return (("kv_transfer_config", "KV transfer", _json_dataclass(KVTransferConfig),
              KV_TRANSFER_HELP),
             ("speculative_config", "speculative decoding", _json_dataclass(SpeculativeConfig),
-             SPECULATIVE_HELP),
+             SPECULATIVE_HELP + ", ".join(drafters())),
             ("structured_outputs_config", "structured outputs",
              _json_dataclass(StructuredOutputsConfig), STRUCTURED_OUTPUTS_HELP))
 

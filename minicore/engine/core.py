@@ -8,11 +8,11 @@ minicore/scheduler/async_scheduler.py). A KV connector is bound once, by bind_kv
 (minicore/kv_transfer/worker.py): its scheduler side goes to the Scheduler, its worker side wraps
 the runner's forward. It then keeps stepping while the scheduler holds blocks for a peer or waits
 for remote KV, even with nothing to compute (Scheduler.has_requests). With --speculative-config a
-drafter (minicore/spec_decode/) proposes each request's drafts after the update; the structured
-output manager (minicore/structured_output/manager.py) takes each request's grammar at
-add_request. The utility methods (sleep, pause, collective_rpc, ...) are EngineControl's
-(minicore/engine/control.py). Left out: pipeline parallelism's deeper batch queue, the executor
-layer (one in-process runner on one thread), LoRA.
+drafter (minicore/spec_decode/drafter.py) proposes each request's drafts after the update, which the
+scheduler takes; the structured output manager (minicore/structured_output/manager.py) takes each
+request's grammar at add_request. The utility methods (sleep, pause, collective_rpc, ...) are
+EngineControl's (minicore/engine/control.py). Left out: pipeline parallelism's deeper batch queue,
+the executor layer (one in-process runner on one thread), LoRA.
 """
 
 import logging
@@ -30,7 +30,7 @@ from minicore.protocol import EngineCoreOutput
 from minicore.request import Request, RequestStatus
 from minicore.scheduler import BalanceScheduler, Scheduler, SchedulerOutput
 from minicore.scheduler.structured_output import NO_STRUCTURED_OUTPUT
-from minicore.spec_decode import make_drafter
+from minicore.spec_decode.drafter import make_drafter
 from minicore.structured_output.manager import make_structured_output_manager
 
 logger = logging.getLogger(__name__)
@@ -136,8 +136,10 @@ class EngineCore(EngineControl):
 
     def update_from_output(self, scheduler_output, model_output) -> list[EngineCoreOutput]:
         """The scheduler's update, then the drafts of the next step (vLLM: post_step)."""
-        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
-        self.drafter.propose(self.scheduler, scheduler_output)
+        scheduler = self.scheduler
+        outputs = scheduler.update_from_output(scheduler_output, model_output)
+        scheduler.update_draft_token_ids(self.drafter.propose(
+            scheduler.requests, len(scheduler.running), scheduler_output))
         return outputs
 
     def execute_dummy_batch(self) -> None:

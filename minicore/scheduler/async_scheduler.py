@@ -30,6 +30,10 @@ def ends_in_flight(request: Request, max_model_len: int) -> bool:
 class NoPlaceholders:
     """Without async scheduling: every step's output is back before the next is scheduled."""
 
+    def ends_in_flight(self, request: Request, max_model_len: int) -> bool:
+        """Whether the running pass must skip the request this step."""
+        return False
+
     def after_schedule(self, scheduler_output: SchedulerOutput,
                        requests: dict[str, Request]) -> None:
         pass
@@ -44,6 +48,9 @@ class OutputPlaceholders:
     def __init__(self):
         # id(SchedulerOutput) -> the requests it scheduled, until its output is back.
         self._in_flight: dict[int, dict[str, Request]] = {}
+
+    def ends_in_flight(self, request: Request, max_model_len: int) -> bool:
+        return bool(request.num_output_placeholders) and ends_in_flight(request, max_model_len)
 
     def after_schedule(self, scheduler_output: SchedulerOutput,
                        requests: dict[str, Request]) -> None:

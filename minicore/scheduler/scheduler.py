@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from minicore.protocol import EngineCoreEvent, EngineCoreEventType, EngineCoreOutput, SchedulerStats
 from minicore.request import Request, RequestStatus
-from minicore.scheduler.async_scheduler import NoPlaceholders, OutputPlaceholders, ends_in_flight
+from minicore.scheduler.async_scheduler import NoPlaceholders, OutputPlaceholders
 from minicore.scheduler.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from minicore.scheduler.logprobs import add_logprobs
 from minicore.scheduler.output import (
@@ -226,11 +226,10 @@ class Scheduler:
         req_index = 0
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
-            placeholders = request.num_output_placeholders
-            if placeholders and ends_in_flight(request, self.max_model_len):
+            if self.placeholders.ends_in_flight(request, self.max_model_len):
                 req_index += 1
                 continue
-            num_new_tokens = (request.num_tokens_with_spec + placeholders
+            num_new_tokens = (request.num_tokens_with_spec + request.num_output_placeholders
                               - request.num_computed_tokens)
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold

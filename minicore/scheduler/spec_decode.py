@@ -41,7 +41,9 @@ class NoSpecDecode:
 
     def update_draft_token_ids(self, draft_token_ids: DraftTokenIds,
                                requests: dict[str, Request], max_model_len: int) -> None:
-        raise ValueError("draft tokens need a scheduler built with a speculative_config")
+        """Nothing to take: EngineCore hands over a NoDrafter's empty proposals every step."""
+        if draft_token_ids.req_ids:
+            raise ValueError("draft tokens need a scheduler built with a speculative_config")
 
 
 class SpecDecode:

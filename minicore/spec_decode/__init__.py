@@ -1,29 +1,10 @@
-"""Speculative decoding's drafter: what proposes each request's draft tokens after a step.
+"""Speculative decoding: drafting methods that propose each request's draft tokens after a step
+(drafter.py: the Drafter base, its registry and make_drafter; one file per method, e.g.
+ngram_proposer.py), their config (config.py) and acceptance counters (metrics.py).
 
 vLLM's runner proposes drafts after sampling (GPUModelRunner.propose_draft_token_ids) and
-EngineCore.post_step hands them to Scheduler.update_draft_token_ids. ngram drafts need only the
-request's own tokens, which the scheduler holds, so here the drafter is bound in EngineCore and
-proposes from the scheduler's requests after each update; NoDrafter, without
---speculative-config, does nothing. The drafts are verified by the runner's rejection sampler
+EngineCore.post_step hands them to Scheduler.update_draft_token_ids. A method that needs only the
+request's own tokens (ngram) proposes from the scheduler's requests after each update, in
+EngineCore; the drafts are verified by the runner's rejection sampler
 (minicore/model/rejection_sampler.py).
 """
-
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from minicore.config import EngineConfig
-    from minicore.scheduler import Scheduler
-    from minicore.scheduler.output import SchedulerOutput
-
-
-class NoDrafter:
-    def propose(self, scheduler: "Scheduler", scheduler_output: "SchedulerOutput") -> None:
-        pass
-
-
-def make_drafter(config: "EngineConfig"):
-    if config.speculative_config is None:
-        return NoDrafter()
-    from minicore.spec_decode.ngram_proposer import NgramProposer
-
-    return NgramProposer(config.speculative_config, config.scheduler_config.max_model_len)

@@ -70,12 +70,11 @@ def spec_scheduler(**kwargs):
     return make_scheduler(speculative_config=config, **kwargs)
 
 
-class Recorder:
-    """Wraps a scheduler's update_draft_token_ids, keeping each call's argument."""
-
-    def __init__(self, s):
-        self.calls, update = [], s.update_draft_token_ids
-        s.update_draft_token_ids = lambda d: (self.calls.append(d), update(d))
+def propose(s, p, out):
+    """What EngineCore does after an update: the drafter's drafts, to the scheduler."""
+    drafts = p.propose(s.requests, len(s.running), out)
+    s.update_draft_token_ids(drafts)
+    return drafts
 
 
 def test_a_decoding_request_gets_drafts_and_a_prefilling_one_none():
@@ -83,12 +82,10 @@ def test_a_decoding_request_gets_drafts_and_a_prefilling_one_none():
     s = spec_scheduler(max_num_batched_tokens=9, enable_chunked_prefill=True)
     s.add_request(make_request("a", [1, 2, 3, 1, 2]))
     s.add_request(make_request("b", list(range(10, 20))))
-    recorder, p = Recorder(s), proposer()
     st = step(s, {"a": 3})  # a: 5 prompt tokens + 3; b: 4 of 10 computed
     assert st.scheduled == {"a": 5, "b": 4}
-    p.propose(s, st.out)
-    [call] = recorder.calls
-    assert (call.req_ids, call.draft_token_ids) == (["a"], [[1, 2, 3]])
+    drafts = propose(s, proposer(), st.out)
+    assert (drafts.req_ids, drafts.draft_token_ids) == (["a"], [[1, 2, 3]])
     assert s.requests["a"].spec_token_ids == [1, 2, 3]
     assert s.requests["b"].spec_token_ids == []
 
@@ -97,11 +94,10 @@ def test_no_drafts_at_disable_by_batch_size():
     s = spec_scheduler()
     for rid in "ab":
         s.add_request(make_request(rid, [1, 2, 1, 2]))
-    recorder = Recorder(s)
     st = step(s, {"a": 1, "b": 1})
-    proposer(disable_by_batch_size=3).propose(s, st.out)
-    proposer(disable_by_batch_size=2).propose(s, st.out)
-    assert [c.draft_token_ids for c in recorder.calls] == [[[2, 1], [2, 1]], []]
+    assert propose(s, proposer(disable_by_batch_size=3), st.out).draft_token_ids == [[2, 1],
+                                                                                      [2, 1]]
+    assert propose(s, proposer(disable_by_batch_size=2), st.out).draft_token_ids == []
 
 
 def test_the_packing_follows_new_tokens_and_reused_ids():
@@ -118,11 +114,11 @@ def test_the_packing_follows_new_tokens_and_reused_ids():
 def test_finished_requests_leave_the_packing():
     s, p = spec_scheduler(), proposer()
     s.add_request(make_request("a", [1, 2, 1, 2], max_tokens=2))
-    p.propose(s, step(s).out)
+    propose(s, p, step(s).out)
     assert list(p._packed) == ["a"]
-    p.propose(s, step(s).out)  # a's second token finishes it
+    propose(s, p, step(s).out)  # a's second token finishes it
     assert list(p._packed) == ["a"]
-    p.propose(s, step(s).out)  # the step that tells the runner (finished_req_ids)
+    propose(s, p, step(s).out)  # the step that tells the runner (finished_req_ids)
     assert p._packed == {}
 
 
@@ -134,7 +130,7 @@ def run(s, p, script) -> tuple[list[int], int]:
         tokens += st.tokens.get("a", [])
         num_steps += 1
         if p is not None:
-            p.propose(s, st.out)
+            propose(s, p, st.out)
     return tokens, num_steps
 
 
