@@ -122,6 +122,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # Why the request finished with ERROR: the engine refused it (the caller's fault) or, with
     # failed, it failed there once accepted (vLLM's FINISHED_ERROR; a server error).
     error_message: str | None = None
+    failed: bool = False
     # What the KV connector returns for a finished request (request_finished): a prefill
     # instance's remote_engine_id, remote_block_ids, ... for the decode instance. None costs one
     # msgpack nil byte per output (array_like encodes every field; omit_defaults does not apply).
@@ -132,7 +133,6 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     new_prompt_logprobs: LogprobsLists | None = None
     # The request's engine events since its previous output (None: none).
     events: list[EngineCoreEvent] | None = None
-    failed: bool = False
 
     @property
     def finished(self) -> bool:

@@ -32,15 +32,10 @@ FEATURE_PACKAGES = ("minicore.config", "minicore.arg_utils", "minicore.engine", 
                     "minicore.structured_output", "minicore.entrypoints")
 # Where components are chosen and released; so are the functions called only from these.
 CONSTRUCTION = {"__init__", "shutdown", "close"}
-# The feature tests left in the core files, to go with issue 40's components (pause as a gate,
-# the grammar wait as a queue, one step path for the batch queue, the runner's sampling step).
+# The feature tests left in the core files, to go with issue 40's components (one step path for
+# the batch queue, the runner's sampling step).
 KNOWN_FEATURE_TESTS = {
-    "minicore/scheduler/scheduler.py": [
-        "has_requests: not self.paused and (bool(self.requests) or bool(self.finished_req_ids) or "
-        "self.remote_kv.has_pending_requests())",
-        "has_unfinished_requests: not self.paused and (bool(self.running) or bool(self.waiting) or "
-        "self.remote_kv.num_waiting_for_remote_kvs() > 0)",
-        "_schedule_waiting: waiting.peek_request().status is RequestStatus.WAITING_FOR_FSM"],
+    "minicore/scheduler/scheduler.py": [],
     "minicore/engine/core.py": [
         "_batch_to_finish: not queue or (executed and len(queue) < self.batch_queue_size and "
         "(not queue[-1][0].done()))"],

@@ -5,7 +5,7 @@ nothing; each step's output carries a bitmask row for its scheduled structured r
 each matcher sees every sampled token once, in order, through preemption and resume."""
 
 from minicore.request import RequestStatus
-from minicore.scheduler.structured_output import NoStructuredOutput
+from minicore.scheduler.structured_output import SkipsUncompiled
 from minicore.testing import FAKE_TOKEN_BASE, make_request, make_scheduler, num_free, step
 
 T = FAKE_TOKEN_BASE
@@ -16,11 +16,12 @@ class FakeMatcher:
         self.accepted: list[int] = []
 
 
-class FakeManager(NoStructuredOutput):
+class FakeManager(SkipsUncompiled):
     """Compiles nothing: a test says when a grammar is ready. The bitmask is the list of the
     request ids in row order (a real one is a tensor), so that tests can read it."""
 
     def __init__(self):
+        super().__init__()
         self.compiling: set[str] = set()
         self.pending = []
         self.matchers: dict[str, FakeMatcher] = {}
@@ -51,6 +52,7 @@ class FakeManager(NoStructuredOutput):
         for output in outputs:
             if (matcher := requests[output.request_id].structured_output_request) is not None:
                 matcher.accepted.extend(output.new_token_ids)
+        return ()  # no request to end
 
 
 def scheduler_with_manager(**kwargs):

@@ -83,11 +83,12 @@ class EngineControl:
             ids = [rid for rid, r in self.scheduler.requests.items() if not r.is_finished()]
             self.abort_requests(ids)
             self._announce_aborted(ids)
-        self.scheduler.paused = self.scheduler.paused or mode != "wait"
+        if mode != "wait":
+            _shut(self.scheduler)
         return self._after_idle(partial(self._finish_pause, clear_cache))
 
     def _finish_pause(self, clear_cache: bool) -> None:
-        self.scheduler.paused = True
+        _shut(self.scheduler)
         if clear_cache and not self.reset_prefix_cache(reset_running_requests=True):
             logger.warning("pause: the prefix cache was not reset (a KV connector holds blocks)")
 
@@ -95,10 +96,10 @@ class EngineControl:
         if self.sleeping_tags:  # a step now would run a model without its memory
             raise ValueError(f"the engine is asleep ({', '.join(sorted(self.sleeping_tags))} "
                              "released): wake_up resumes it")
-        self.scheduler.paused = False
+        _open(self.scheduler)
 
     def is_scheduler_paused(self) -> bool:
-        return self.scheduler.paused
+        return "has_requests" in vars(self.scheduler)
 
     # ---- sleep ---------------------------------------------------------------------------------
 
@@ -283,6 +284,23 @@ class ProcControl(EngineControl):
 
 
 # The methods a UTILITY message may name: EngineControl's public ones.
+def _no_work() -> bool:
+    return False
+
+
+def _shut(scheduler) -> None:
+    """The pause (vLLM's PauseState.PAUSED_ALL) as a gate: the scheduler reports no work, so the
+    engine stops stepping and a DP rank counts as idle. Bound over the two questions the engine
+    asks (Scheduler.has_requests, has_unfinished_requests), not a flag the scheduler tests every
+    step; the requests stay where they are."""
+    scheduler.has_requests = scheduler.has_unfinished_requests = _no_work
+
+
+def _open(scheduler) -> None:
+    vars(scheduler).pop("has_requests", None)
+    vars(scheduler).pop("has_unfinished_requests", None)
+
+
 UTILITY_METHODS = frozenset(name for name, value in vars(EngineControl).items()
                             if callable(value) and not name.startswith("_"))
 

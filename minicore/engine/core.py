@@ -57,7 +57,6 @@ class EngineCore(EngineControl):
             config, self.model_runner, self.runner_info.has_logits)
         self.scheduler = make_scheduler(config, self.kv_connectors.scheduler_side,
                                         self.structured_output_manager.scheduler_side)
-        self.structured_output_manager.bind(self.scheduler)
         # Proposes each request's drafts after a step (NoDrafter without --speculative-config).
         self.drafter = make_drafter(config)
         # The forward's one thread, started on first use: the model's thread-local state stays put.

@@ -29,6 +29,7 @@ connector prefix-cache stats.
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from minicore.protocol import EngineCoreOutput, FinishReason
@@ -192,11 +193,10 @@ class ConnectorRemoteKV(NoRemoteKV):
             request.num_computed_tokens -= 1
 
     def update_from_kv_xfer_finished(self, kv_connector_output: KVConnectorOutput | None,
-                                     outputs: list[EngineCoreOutput]) -> None:
+                                     outputs: list[EngineCoreOutput]) -> Sequence[str]:
         if kv_connector_output is not None:
             self._update_from_kv_connector_output(kv_connector_output)
-        if self.failed_loads:
-            self._end_failed_loads(outputs)
+        return self._end_failed_loads(outputs) if self.failed_loads else ()
 
     def _update_from_kv_connector_output(self, kv_connector_output: KVConnectorOutput) -> None:
         self.connector.update_connector_output(kv_connector_output)
@@ -226,18 +226,18 @@ class ConnectorRemoteKV(NoRemoteKV):
                 self._load_failed(request, first_bad * kv.block_size,
                                   f"its KV load failed from block {first_bad} on")
 
-    def _end_failed_loads(self, outputs: list[EngineCoreOutput]) -> None:
-        """The "fail" policy: each request whose load failed finishes with an error (a server
+    def _end_failed_loads(self, outputs: list[EngineCoreOutput]) -> list[str]:
+        """The "fail" policy: each request whose load failed is to end with an error (a server
         error for its client, not a refusal: EngineCoreOutput.failed)."""
         failed, self.failed_loads = self.failed_loads, {}
         failed = {req_id: why for req_id, why in failed.items()
                   if req_id in self.waiting_for_remote_kvs}  # not aborted meanwhile
-        self.scheduler.finish_requests(list(failed), RequestStatus.FINISHED_ABORTED)
         for req_id, why in failed.items():
             message = f"{why} (kv_load_failure_policy is 'fail')"
             logger.error("Request %s failed: %s", req_id, message)
             outputs.append(EngineCoreOutput(req_id, [], FinishReason.ERROR,
                                             error_message=message, failed=True))
+        return list(failed)
 
     def has_pending_requests(self) -> bool:
         return self.connector.has_pending_requests()

@@ -7,6 +7,7 @@ vllm/v1/core/sched/scheduler.py. vLLM tests `self.connector is not None` at each
 A reader of the scheduler without a connector can stop here.
 """
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from minicore.protocol import EngineCoreOutput
@@ -52,9 +53,11 @@ class NoRemoteKV:
         """At the start of schedule(): requests whose KV arrived rejoin the waiting queue."""
 
     def update_from_kv_xfer_finished(self, kv_connector_output: KVConnectorOutput | None,
-                                     outputs: list[EngineCoreOutput]) -> None:
-        """At the end of update_from_output: what the worker side reported for the step; the
-        outputs of requests that this ends go to outputs."""
+                                     outputs: list[EngineCoreOutput]) -> Sequence[str]:
+        """At the end of update_from_output: what the worker side reported for the step. Returns
+        the ids of the requests the scheduler is to end (their error outputs appended to
+        outputs)."""
+        return ()
 
     def has_pending_requests(self) -> bool:
         """Whether the engine must keep stepping with no request left to run."""

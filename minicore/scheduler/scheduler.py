@@ -10,8 +10,9 @@ their hashes registered), and finish_requests frees in the order given (vLLM: se
 Features outside the core bind once, at construction, as components with do-nothing defaults:
 the scheduling policy (policies/), the KV connector (remote_kv.py), BalanceScheduler's gate
 (balance.py), logprobs (logprobs.py), speculative decoding (spec_decode.py), async scheduling's
-placeholders (async_scheduler.py) and structured outputs (structured_output.py). `paused` is the
-engine's pause (vLLM's PauseState.PAUSED_ALL): no work is reported. Left out: encoders, LoRA.
+placeholders (async_scheduler.py) and structured outputs (structured_output.py). The engine's
+pause (vLLM's PauseState.PAUSED_ALL) is a gate engine/control.py binds over has_requests and
+has_unfinished_requests. Left out: encoders, LoRA.
 """
 
 import time
@@ -89,7 +90,6 @@ class Scheduler:
         self.placeholders = (OutputPlaceholders() if scheduler_config.async_scheduling
                              else NoPlaceholders())
         self.structured_output_manager = structured_output_manager
-        self.paused = False
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -104,8 +104,9 @@ class Scheduler:
         request.events.append(EngineCoreEvent.new_event(EngineCoreEventType.QUEUED))
 
     def finish_requests(self, request_ids, finished_status: RequestStatus) -> None:
-        """Finish requests from outside (abort); unknown or already finished ids are ignored (a
-        finished one is still known while a KV connector holds its blocks)."""
+        """Finish requests from outside (abort) or that a component ends; unknown or already
+        finished ids are ignored (a finished one is still known while a KV connector holds its
+        blocks)."""
         if not RequestStatus.is_finished(finished_status):
             raise ValueError(f"{finished_status!r} is not a finished status")
         if isinstance(request_ids, str):
@@ -136,15 +137,16 @@ class Scheduler:
         del self.requests[request.request_id]
 
     def has_requests(self) -> bool:
-        """Whether the engine must keep stepping (never while paused): unfinished requests,
-        finished ones whose blocks a KV connector holds or that the runner has not been told of,
-        or connector state not yet sent to its worker side (vLLM: has_requests)."""
-        return not self.paused and (bool(self.requests) or bool(self.finished_req_ids)
-                                    or self.remote_kv.has_pending_requests())
+        """Whether the engine must keep stepping: unfinished requests, finished ones whose blocks
+        a KV connector holds or that the runner has not been told of, or connector state not yet
+        sent to its worker side (vLLM: has_requests). The engine's pause shuts this and
+        has_unfinished_requests off (engine/control.py binds both to no work)."""
+        return (bool(self.requests) or bool(self.finished_req_ids)
+                or self.remote_kv.has_pending_requests())
 
     def has_unfinished_requests(self) -> bool:
-        return not self.paused and (bool(self.running) or bool(self.waiting)
-                                    or self.remote_kv.num_waiting_for_remote_kvs() > 0)
+        return (bool(self.running) or bool(self.waiting)
+                or self.remote_kv.num_waiting_for_remote_kvs() > 0)
 
     def get_num_unfinished_requests(self) -> int:
         return sum(self.get_request_counts())
@@ -283,16 +285,12 @@ class Scheduler:
         returns the budget left. One whose grammar still compiles is passed over and keeps its
         place (vLLM's skipped_waiting_requests)."""
         waiting, running, max_running = self.waiting, self.running, self.max_num_running_reqs
-        skipped = []
-        while waiting and token_budget > 0 and len(running) < max_running:
-            if waiting.peek_request().status is RequestStatus.WAITING_FOR_FSM:
-                skipped.append(waiting.pop_request())
-            elif (num_new := self._try_admit(waiting.peek_request(), step, token_budget)) is None:
+        while (waiting and token_budget > 0 and len(running) < max_running
+               and self.structured_output_manager.skip_uncompiled(waiting)):
+            if (num_new := self._try_admit(waiting.peek_request(), step, token_budget)) is None:
                 break
-            else:
-                token_budget -= num_new
-        for request in reversed(skipped):
-            waiting.prepend_request(request)
+            token_budget -= num_new
+        self.structured_output_manager.restore_skipped(waiting)
         return token_budget
 
     def _try_admit(self, request: Request, step: _StepState, token_budget: int) -> int | None:
@@ -391,9 +389,12 @@ class Scheduler:
             if status:
                 finished.append((request, status, output))
         add_logprobs(outputs, requests, scheduler_output, model_runner_output)
-        self.structured_output_manager.accept_tokens(outputs, requests)
+        # Requests a component ends with an error (a grammar that did not compile, a failed KV
+        # load under the "fail" policy); their outputs are already in outputs.
+        ended = self.structured_output_manager.accept_tokens(outputs, requests)
         if finished:
             self._finish(finished)
-        self.remote_kv.update_from_kv_xfer_finished(model_runner_output.kv_connector_output,
-                                                    outputs)
+        failed_loads = self.remote_kv.update_from_kv_xfer_finished(
+            model_runner_output.kv_connector_output, outputs)
+        self.finish_requests([*ended, *failed_loads], RequestStatus.FINISHED_ABORTED)
         return outputs

@@ -19,13 +19,14 @@ import logging
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from minicore.protocol import EngineCoreOutput
 from minicore.request import FinishReason, Request, RequestStatus
 from minicore.scheduler.output import SchedulerOutput
-from minicore.scheduler.structured_output import NO_STRUCTURED_OUTPUT
+from minicore.scheduler.structured_output import NO_STRUCTURED_OUTPUT, SkipsUncompiled
 from minicore.structured_output.params import StructuredOutputsParams, build_grammar
 
 logger = logging.getLogger(__name__)
@@ -73,9 +74,10 @@ class CompiledGrammarCache:
                 self.size_bytes -= self._entries.popitem(last=False)[1].memory_size_bytes
 
 
-class StructuredOutputManager:
+class StructuredOutputManager(SkipsUncompiled):
     def __init__(self, tokenizer, vocab_size: int, disable_any_whitespace: bool = False,
                  cache_limit_bytes: int = DEFAULT_CACHE_MB << 20):
+        super().__init__()
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.disable_any_whitespace = disable_any_whitespace
@@ -90,12 +92,7 @@ class StructuredOutputManager:
         self._structured: list[Request] = []
         # Requests whose grammar did not compile, with the error, until the next update ends them.
         self._failed: list[tuple[Request, str]] = []
-        # Scheduler.finish_requests, bound once the scheduler exists.
-        self.finish_requests = None
         self.scheduler_side = self
-
-    def bind(self, scheduler) -> None:
-        self.finish_requests = scheduler.finish_requests
 
     def grammar_init(self, request: Request) -> None:
         """Start compiling the request's grammar, if it has one; it waits as WAITING_FOR_FSM."""
@@ -177,11 +174,9 @@ class StructuredOutputManager:
         scheduler_output.grammar_bitmask = bitmask
 
     def accept_tokens(self, outputs: list[EngineCoreOutput],
-                      requests: dict[str, Request]) -> None:
-        """Advance each structured request's matcher with the tokens it sampled this step; end
-        with an error each request whose grammar did not compile."""
+                      requests: dict[str, Request]) -> Sequence[str]:
         if not self._structured:
-            return
+            return ()
         for output in outputs:
             so_request = requests[output.request_id].structured_output_request
             if so_request is None or so_request.matcher.is_terminated():
@@ -191,18 +186,17 @@ class StructuredOutputManager:
                     logger.error("request %r: the grammar refused token %d", output.request_id,
                                  token_id)
                     break
-        if self._failed:
-            self._end_failed(outputs)
+        return self._end_failed(outputs) if self._failed else ()
 
-    def _end_failed(self, outputs: list[EngineCoreOutput]) -> None:
+    def _end_failed(self, outputs: list[EngineCoreOutput]) -> list[str]:
         failed, self._failed = self._failed, []
         failed = [(r, message) for r, message in failed if not r.is_finished()]
-        self.finish_requests([r.request_id for r, _ in failed], RequestStatus.FINISHED_ABORTED)
         for request, message in failed:
             logger.error("request %r: its grammar did not compile: %s", request.request_id,
                          message)
             outputs.append(EngineCoreOutput(request.request_id, [], FinishReason.ERROR,
                                             error_message=message))
+        return [r.request_id for r, _ in failed]
 
     def shutdown(self) -> None:
         for executor in (self.executor_small, self.executor_large):
@@ -216,9 +210,6 @@ class RefusedStructuredOutput:
 
     def __init__(self, reason: str):
         self.reason = reason
-
-    def bind(self, scheduler) -> None:
-        pass
 
     def grammar_init(self, request: Request) -> None:
         if request.sampling_params.structured_outputs is not None:
