@@ -135,10 +135,9 @@ class EngineCore(EngineControl):
 
     def update_from_output(self, scheduler_output, model_output) -> list[EngineCoreOutput]:
         """The scheduler's update, then the drafts of the next step (vLLM: post_step)."""
-        scheduler = self.scheduler
-        outputs = scheduler.update_from_output(scheduler_output, model_output)
-        scheduler.update_draft_token_ids(self.drafter.propose(
-            scheduler.requests, len(scheduler.running), scheduler_output))
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        self.scheduler.update_draft_token_ids(self.drafter.propose(
+            self.scheduler.requests, len(self.scheduler.running), scheduler_output))
         return outputs
 
     def execute_dummy_batch(self) -> None:
@@ -152,12 +151,10 @@ class EngineCore(EngineControl):
 
 def make_scheduler(config: EngineConfig, connector: KVConnectorBase_V1 | None = None,
                    structured_output_manager=NO_STRUCTURED_OUTPUT) -> Scheduler:
-    if config.scheduler_config.balance_scheduling:
-        return BalanceScheduler(config.scheduler_config, config.cache_config,
-                                config.parallel_config.data_parallel_size, connector,
-                                config.speculative_config, structured_output_manager)
-    return Scheduler(config.scheduler_config, config.cache_config, connector,
-                     config.speculative_config, structured_output_manager)
+    cls, gate = ((BalanceScheduler, {"dp_size": config.parallel_config.data_parallel_size})
+                 if config.scheduler_config.balance_scheduling else (Scheduler, {}))
+    return cls(config.scheduler_config, config.cache_config, connector,
+               config.speculative_config, structured_output_manager, **gate)
 
 
 def _check_kv_cache_fits(config: EngineConfig) -> None:

@@ -40,11 +40,10 @@ from typing import TYPE_CHECKING, Any
 from minicore.kv_transfer.remote_kv import ConnectorRemoteKV
 
 if TYPE_CHECKING:
-    from minicore.config import EngineConfig
+    from minicore.config import EngineConfig, SchedulerConfig
     from minicore.request import Request
-    from minicore.scheduler.kv_cache_manager import KVCacheBlocks
+    from minicore.scheduler.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from minicore.scheduler.output import KVConnectorOutput, SchedulerOutput
-    from minicore.scheduler.scheduler import Scheduler
 
 
 class KVConnectorRole(enum.Enum):
@@ -115,9 +114,11 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 (vLLM's name)
 
     # ---- scheduler side ------------------------------------------------------------------------
 
-    def make_remote_kv(self, scheduler: "Scheduler") -> ConnectorRemoteKV:
-        """The component the Scheduler binds for this connector (its remote_kv)."""
-        return ConnectorRemoteKV(scheduler, self)
+    def make_remote_kv(self, kv_cache_manager: "KVCacheManager",
+                       scheduler_config: "SchedulerConfig") -> ConnectorRemoteKV:
+        """The component the Scheduler binds for this connector (its remote_kv), given the
+        scheduler's KV blocks and settings."""
+        return ConnectorRemoteKV(kv_cache_manager, scheduler_config, self)
 
     @classmethod
     def validate_kv_transfer_params(cls, params: dict[str, Any], num_prompt_tokens: int,

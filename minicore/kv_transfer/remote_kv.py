@@ -38,10 +38,11 @@ from minicore.scheduler.output import KVConnectorOutput
 from minicore.scheduler.remote_kv import NoRemoteKV
 
 if TYPE_CHECKING:
+    from minicore.config import SchedulerConfig
     from minicore.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata
+    from minicore.scheduler.kv_cache_manager import KVCacheManager
     from minicore.scheduler.kv_cache_utils import KVCacheBlock
     from minicore.scheduler.output import SchedulerOutput
-    from minicore.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +55,10 @@ class ConnectorRemoteKV(NoRemoteKV):
     # by its handshake_timeout); one that never starts leaves the request nothing else to wait for.
     LOAD_START_TIMEOUT_S = 30.0
 
-    def __init__(self, scheduler: "Scheduler", connector: "KVConnectorBase_V1"):
-        self.scheduler = scheduler
+    def __init__(self, kv_cache_manager: "KVCacheManager", scheduler_config: "SchedulerConfig",
+                 connector: "KVConnectorBase_V1"):
+        self.kv_cache_manager = kv_cache_manager
+        self.reserve_full_isl = scheduler_config.scheduler_reserve_full_isl
         self.connector = connector
         self.load_start_timeout = self.LOAD_START_TIMEOUT_S
         # Parked requests by id, in the order they were parked.
@@ -76,7 +79,7 @@ class ConnectorRemoteKV(NoRemoteKV):
         if request.kv_transfer_params is not None:
             self.connector.validate_kv_transfer_params(
                 request.kv_transfer_params, request.num_prompt_tokens,
-                self.scheduler.kv_cache_manager.block_size, self.connector.kv_transfer_config)
+                self.kv_cache_manager.block_size, self.connector.kv_transfer_config)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         num_external, load_async = self.connector.get_num_new_matched_tokens(request,
@@ -86,17 +89,12 @@ class ConnectorRemoteKV(NoRemoteKV):
                                       "only: get_num_new_matched_tokens must return (n, True)")
         return num_external
 
-    def park(self, request: Request, computed_blocks: "list[KVCacheBlock]", num_computed: int,
-             num_external: int) -> int | None:
-        """Allocate blocks for the request's external tokens and park it until they arrive:
-        0 (no token scheduled), or None, nothing changed, when the blocks are not there."""
-        scheduler = self.scheduler
-        kv = scheduler.kv_cache_manager
+    def park(self, request: Request, computed_blocks: "Sequence[KVCacheBlock]",
+             num_computed: int, num_external: int) -> bool:
+        kv = self.kv_cache_manager
         if kv.allocate_slots(request, num_external, num_computed, computed_blocks,
-                             scheduler.scheduler_config.scheduler_reserve_full_isl,
-                             delay_cache_blocks=True) is None:
-            return None
-        scheduler.waiting.pop_request()
+                             self.reserve_full_isl, delay_cache_blocks=True) is None:
+            return False
         kv.record_prefix_cache_query(request.num_tokens, num_computed)
         self.connector.update_state_after_alloc(request, kv.get_blocks(request.request_id),
                                                 num_external)
@@ -105,10 +103,10 @@ class ConnectorRemoteKV(NoRemoteKV):
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.waiting_for_remote_kvs[request.request_id] = request
         self.load_deadlines[request.request_id] = time.monotonic() + self.load_start_timeout
-        return 0
+        return True
 
     def update_state_after_alloc(self, request: Request) -> None:
-        blocks = self.scheduler.kv_cache_manager.get_blocks(request.request_id)
+        blocks = self.kv_cache_manager.get_blocks(request.request_id)
         self.connector.update_state_after_alloc(request, blocks, 0)
 
     def request_finished(self, request: Request, output: EngineCoreOutput | None) -> bool:
@@ -121,7 +119,7 @@ class ConnectorRemoteKV(NoRemoteKV):
             self.finished_recving_kv_req_ids.discard(req_id)
             self.failed_recving_kv_req_ids.discard(req_id)
             self.load_deadlines.pop(req_id, None)
-        block_ids = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)
+        block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
         connector_delay_free, params = self.connector.request_finished(request, block_ids)
         if output is not None:
             output.kv_transfer_params = params
@@ -130,23 +128,24 @@ class ConnectorRemoteKV(NoRemoteKV):
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> "KVConnectorMetadata":
         return self.connector.build_connector_meta(scheduler_output)
 
-    def promote_received(self) -> None:
-        """Move the requests whose KV arrived to the front of the waiting queue, earliest first:
-        they hold their blocks already."""
+    def promote_received(self) -> list[Request]:
+        """The requests whose KV arrived, latest first, so that prepended one by one the
+        earliest leads the queue: they hold their blocks already."""
         if self.load_deadlines and next(iter(self.load_deadlines.values())) <= time.monotonic():
             self._stop_waiting_for_loads_never_started()
         if not self.finished_recving_kv_req_ids:
-            return
+            return []
         received = [self.waiting_for_remote_kvs.pop(req_id)
                     for req_id in self.finished_recving_kv_req_ids]
         for req_id in self.finished_recving_kv_req_ids:
             self.load_deadlines.pop(req_id, None)
         self.finished_recving_kv_req_ids.clear()
-        for request in sorted(received, key=lambda r: r.arrival_time, reverse=True):
+        received.sort(key=lambda r: r.arrival_time, reverse=True)
+        for request in received:
             self._update_waiting_for_remote_kv(request)
             request.status = (RequestStatus.PREEMPTED if request.num_preemptions
                               else RequestStatus.WAITING)
-            self.scheduler.waiting.prepend_request(request)
+        return received
 
     def _stop_waiting_for_loads_never_started(self) -> None:
         """Parked requests past their deadline with no load in flight compute their prompt
@@ -179,7 +178,7 @@ class ConnectorRemoteKV(NoRemoteKV):
         return True
 
     def _update_waiting_for_remote_kv(self, request: Request) -> None:
-        kv = self.scheduler.kv_cache_manager
+        kv = self.kv_cache_manager
         if request.request_id in self.failed_recving_kv_req_ids:
             self.failed_recving_kv_req_ids.discard(request.request_id)
             if not request.num_computed_tokens:
@@ -193,16 +192,20 @@ class ConnectorRemoteKV(NoRemoteKV):
             request.num_computed_tokens -= 1
 
     def update_from_kv_xfer_finished(self, kv_connector_output: KVConnectorOutput | None,
-                                     outputs: list[EngineCoreOutput]) -> Sequence[str]:
-        if kv_connector_output is not None:
-            self._update_from_kv_connector_output(kv_connector_output)
-        return self._end_failed_loads(outputs) if self.failed_loads else ()
+                                     requests: dict[str, Request],
+                                     outputs: list[EngineCoreOutput]
+                                     ) -> tuple[Sequence[str], Sequence[Request]]:
+        freed = (() if kv_connector_output is None
+                 else self._update_from_kv_connector_output(kv_connector_output, requests))
+        return (self._end_failed_loads(outputs) if self.failed_loads else ()), freed
 
-    def _update_from_kv_connector_output(self, kv_connector_output: KVConnectorOutput) -> None:
+    def _update_from_kv_connector_output(self, kv_connector_output: KVConnectorOutput,
+                                         requests: dict[str, Request]) -> list[Request]:
+        """Take the worker side's report; the finished requests whose transfers have ended."""
         self.connector.update_connector_output(kv_connector_output)
         if kv_connector_output.invalid_block_ids:
             self._handle_invalid_blocks(kv_connector_output.invalid_block_ids)
-        requests = self.scheduler.requests
+        freed: dict[str, Request] = {}
         for req_id in kv_connector_output.finished_recving or ():
             # Unknown: a request aborted before its read, whose blocks were never held.
             if (request := requests.get(req_id)) is None:
@@ -210,15 +213,16 @@ class ConnectorRemoteKV(NoRemoteKV):
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 self.finished_recving_kv_req_ids.add(req_id)
             elif request.is_finished():  # aborted during its read: the blocks are free to go
-                self.scheduler._free_blocks(request)
+                freed[req_id] = request
         for req_id in kv_connector_output.finished_sending or ():
             if (request := requests.get(req_id)) is not None and request.is_finished():
-                self.scheduler._free_blocks(request)
+                freed[req_id] = request
+        return list(freed.values())
 
     def _handle_invalid_blocks(self, invalid_block_ids: set[int]) -> None:
         """Parked requests whose load failed keep the KV before their first invalid block and
         recompute from there, once their load is reported finished."""
-        kv = self.scheduler.kv_cache_manager
+        kv = self.kv_cache_manager
         for request in self.waiting_for_remote_kvs.values():
             block_ids = kv.get_block_ids(request.request_id)
             first_bad = next((i for i, b in enumerate(block_ids) if b in invalid_block_ids), None)

@@ -18,20 +18,18 @@ Thresholds, and their history upstream:
 """
 
 from minicore.scheduler.scheduler import Scheduler
-from minicore.scheduler.structured_output import NO_STRUCTURED_OUTPUT
 
 
 class BalanceScheduler(Scheduler):
-    def __init__(self, scheduler_config, cache_config, dp_size: int = 1, connector=None,
-                 speculative_config=None, structured_output_manager=NO_STRUCTURED_OUTPUT):
-        super().__init__(scheduler_config, cache_config, connector, speculative_config,
-                         structured_output_manager)
+    def __init__(self, *args, dp_size: int = 1, **kwargs):
+        """Scheduler's arguments, and the DP group's size."""
+        super().__init__(*args, **kwargs)
         # len(running) of every DP rank after the previous step, assigned as a plain list by the
         # DP group (or by hand in tests). Only its maximum is read, so the DP group may assign
         # just [maximum] (--balance-count-sync all-reduce-max).
         self.balance_counts = [0] * dp_size
         full = self.max_num_running_reqs
-        limit = full - 1 if scheduler_config.balance_threshold == "one-short" else full
+        limit = full - 1 if self.scheduler_config.balance_threshold == "one-short" else full
         # Never below 1: a limit of 0 would shut the gate for good, so with one slot per rank
         # both thresholds are 1.
         self.balance_limit = max(limit, 1)

@@ -16,13 +16,15 @@ from minicore.scheduler.output import KVConnectorOutput
 
 if TYPE_CHECKING:
     from minicore.kv_transfer.base import KVConnectorMetadata
+    from minicore.scheduler.kv_cache_utils import KVCacheBlock
     from minicore.scheduler.output import SchedulerOutput
 
 
 class NoRemoteKV:
     """The scheduler without a KV connector: no KV comes from elsewhere (so no request is ever
     parked, and park is never called), no block is held for a peer, and there is nothing to tell
-    a worker side. Its methods are the seam ConnectorRemoteKV fills in."""
+    a worker side. Its methods are the seam ConnectorRemoteKV fills in; it decides, and the
+    scheduler acts on its queue and its requests."""
 
     __slots__ = ()
 
@@ -34,6 +36,13 @@ class NoRemoteKV:
         """Prompt tokens beyond the local prefix hit whose KV comes from elsewhere; when > 0 the
         scheduler calls park(request, ...) instead of admitting the request."""
         return 0
+
+    def park(self, request: Request, computed_blocks: "Sequence[KVCacheBlock]",
+             num_computed: int, num_external: int) -> bool:
+        """Allocate the request's blocks and hold it until its KV arrives: whether it is parked
+        (the scheduler then takes it out of the waiting queue); False, nothing changed, when the
+        blocks are not there."""
+        raise NotImplementedError("no KV comes from elsewhere without a connector")
 
     def update_state_after_alloc(self, request: Request) -> None:
         """The request was just admitted, its blocks allocated."""
@@ -49,15 +58,19 @@ class NoRemoteKV:
         """SchedulerOutput.kv_connector_metadata of this step."""
         return None
 
-    def promote_received(self) -> None:
-        """At the start of schedule(): requests whose KV arrived rejoin the waiting queue."""
+    def promote_received(self) -> Sequence[Request]:
+        """At the start of schedule(): the parked requests whose KV arrived, for the scheduler to
+        put back at the front of the waiting queue, in this order."""
+        return ()
 
     def update_from_kv_xfer_finished(self, kv_connector_output: KVConnectorOutput | None,
-                                     outputs: list[EngineCoreOutput]) -> Sequence[str]:
+                                     requests: dict[str, Request],
+                                     outputs: list[EngineCoreOutput]
+                                     ) -> tuple[Sequence[str], Sequence[Request]]:
         """At the end of update_from_output: what the worker side reported for the step. Returns
         the ids of the requests the scheduler is to end (their error outputs appended to
-        outputs)."""
-        return ()
+        outputs), and the finished requests whose blocks it may free now."""
+        return (), ()
 
     def has_pending_requests(self) -> bool:
         """Whether the engine must keep stepping with no request left to run."""

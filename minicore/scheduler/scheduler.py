@@ -34,6 +34,7 @@ from minicore.scheduler.policies import get_policy
 from minicore.scheduler.remote_kv import NoRemoteKV
 from minicore.scheduler.spec_decode import DraftTokenIds, NoSpecDecode, SpecDecode
 from minicore.scheduler.structured_output import NO_STRUCTURED_OUTPUT
+from minicore.scheduler.utils import check_stop
 
 if TYPE_CHECKING:
     from minicore.config import CacheConfig, SchedulerConfig
@@ -82,9 +83,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # since the last schedule(): the runner is told
         self.num_preemptions = 0
-        # The scheduler side of a KV connector (None without one), held by its component.
-        self.connector = connector
-        self.remote_kv = NoRemoteKV() if connector is None else connector.make_remote_kv(self)
+        self.connector = connector  # a KV connector's scheduler side (None), for its component
+        self.remote_kv = (NoRemoteKV() if connector is None else
+                          connector.make_remote_kv(self.kv_cache_manager, scheduler_config))
         self.spec_decode = (NoSpecDecode() if speculative_config is None
                             else SpecDecode(speculative_config.num_speculative_tokens))
         self.placeholders = (OutputPlaceholders() if scheduler_config.async_scheduling
@@ -104,9 +105,8 @@ class Scheduler:
         request.events.append(EngineCoreEvent.new_event(EngineCoreEventType.QUEUED))
 
     def finish_requests(self, request_ids, finished_status: RequestStatus) -> None:
-        """Finish requests from outside (abort) or that a component ends; unknown or already
-        finished ids are ignored (a finished one is still known while a KV connector holds its
-        blocks)."""
+        """Finish requests from outside (abort) or that a component ends; unknown or finished ids
+        are ignored (a finished one is known while a KV connector holds its blocks)."""
         if not RequestStatus.is_finished(finished_status):
             raise ValueError(f"{finished_status!r} is not a finished status")
         if isinstance(request_ids, str):
@@ -139,14 +139,11 @@ class Scheduler:
     def has_requests(self) -> bool:
         """Whether the engine must keep stepping: unfinished requests, finished ones whose blocks
         a KV connector holds or that the runner has not been told of, or connector state not yet
-        sent to its worker side (vLLM: has_requests). The engine's pause shuts this and
-        has_unfinished_requests off (engine/control.py binds both to no work)."""
-        return (bool(self.requests) or bool(self.finished_req_ids)
-                or self.remote_kv.has_pending_requests())
+        sent to its worker side (vLLM: has_requests). The engine's pause binds it to no work."""
+        return bool(self.requests or self.finished_req_ids) or self.remote_kv.has_pending_requests()
 
     def has_unfinished_requests(self) -> bool:
-        return (bool(self.running) or bool(self.waiting)
-                or self.remote_kv.num_waiting_for_remote_kvs() > 0)
+        return bool(self.running or self.waiting) or self.remote_kv.num_waiting_for_remote_kvs() > 0
 
     def get_num_unfinished_requests(self) -> int:
         return sum(self.get_request_counts())
@@ -191,7 +188,8 @@ class Scheduler:
         # A scheduled request's tokens count as computed at once, so that a long prompt's next
         # chunk can be scheduled before this step's output is back. The output records the counts
         # from before this step.
-        self.remote_kv.promote_received()
+        for request in self.remote_kv.promote_received():  # their KV is in
+            self.waiting.prepend_request(request)
         self.structured_output_manager.promote_compiled()
         threshold = self.scheduler_config.long_prefill_token_threshold
         step = _StepState(threshold if len(self.running) + len(self.waiting) > 1 else 0,
@@ -307,8 +305,11 @@ class Scheduler:
         else:
             computed_blocks, num_computed = kv.get_computed_blocks(request)
             num_external = self.remote_kv.get_num_new_matched_tokens(request, num_computed)
-            if num_external > 0:
-                return self.remote_kv.park(request, computed_blocks, num_computed, num_external)
+            if num_external > 0:  # it waits for that KV, outside the queue
+                if not self.remote_kv.park(request, computed_blocks, num_computed, num_external):
+                    return None
+                self.waiting.pop_request()
+                return 0
         num_new_tokens = request.num_tokens - num_computed
         if 0 < step.long_prefill_threshold < num_new_tokens:
             num_new_tokens = step.long_prefill_threshold
@@ -343,23 +344,6 @@ class Scheduler:
 
     # ---- after the forward ---------------------------------------------------------------------
 
-    def _check_stop(self, request: Request) -> RequestStatus | None:
-        """The status the request's newest token finishes it with, if any: EOS, a stop token id,
-        then the length caps, as vLLM's check_stop (vllm/v1/core/sched/utils.py). min_tokens is
-        not looked at here: the sampler masks EOS and the stop ids until min_tokens outputs exist,
-        so they cannot arrive before."""
-        params = request.sampling_params
-        last_token_id = request.output_token_ids[-1]
-        if last_token_id == request.eos_token_id and not params.ignore_eos:
-            return RequestStatus.FINISHED_STOPPED
-        if last_token_id in params.stop_token_ids:
-            request.stop_reason = last_token_id
-            return RequestStatus.FINISHED_STOPPED
-        if ((params.max_tokens is not None and request.num_output_tokens >= params.max_tokens)
-                or request.num_tokens >= self.max_model_len):
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None
-
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, finish stopped requests; the new tokens of the live requests."""
@@ -377,7 +361,7 @@ class Scheduler:
             status = None
             for n, token_id in enumerate(new_token_ids):
                 request.append_output_token_id(token_id)
-                if (status := self._check_stop(request)) is not None:
+                if (status := check_stop(request, self.max_model_len)) is not None:
                     new_token_ids = new_token_ids[:n + 1]
                     break
             output = EngineCoreOutput(
@@ -389,12 +373,13 @@ class Scheduler:
             if status:
                 finished.append((request, status, output))
         add_logprobs(outputs, requests, scheduler_output, model_runner_output)
-        # Requests a component ends with an error (a grammar that did not compile, a failed KV
-        # load under the "fail" policy); their outputs are already in outputs.
+        # Requests a component ends with an error, their outputs already in outputs.
         ended = self.structured_output_manager.accept_tokens(outputs, requests)
         if finished:
             self._finish(finished)
-        failed_loads = self.remote_kv.update_from_kv_xfer_finished(
-            model_runner_output.kv_connector_output, outputs)
+        failed_loads, freed = self.remote_kv.update_from_kv_xfer_finished(
+            model_runner_output.kv_connector_output, self.requests, outputs)
+        for request in freed:  # finished, their blocks held until a transfer ended
+            self._free_blocks(request)
         self.finish_requests([*ended, *failed_loads], RequestStatus.FINISHED_ABORTED)
         return outputs
