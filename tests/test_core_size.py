@@ -32,8 +32,8 @@ FEATURE_PACKAGES = ("minicore.config", "minicore.arg_utils", "minicore.engine", 
                     "minicore.structured_output", "minicore.entrypoints")
 # Where components are chosen and released; so are the functions called only from these.
 CONSTRUCTION = {"__init__", "shutdown", "close"}
-# The feature tests left in the core files, to go with issue 40's components (one step path for
-# the batch queue, the runner's sampling step).
+# The feature tests left in the core files: the batch queue's, in async scheduling's own step
+# function and in the busy loop's test for work (issue 40).
 KNOWN_FEATURE_TESTS = {
     "minicore/scheduler/scheduler.py": [],
     "minicore/engine/core.py": [
@@ -42,9 +42,7 @@ KNOWN_FEATURE_TESTS = {
     "minicore/engine/core_proc.py": [
         "has_work: self.scheduler.has_requests() or bool(self.batch_queue)"],
     "minicore/dp/engine.py": [],
-    "minicore/model/runner.py": [
-        "_update_states: so.scheduled_spec_decode_tokens.items()",
-        "_update_states: so.structured_output_request_ids.items()"],
+    "minicore/model/runner.py": [],
 }
 
 

@@ -32,7 +32,7 @@ from minicore.model.sampler import (
     gather_logprobs,
     processed_probs,
 )
-from minicore.scheduler.output import ModelRunnerOutput
+from minicore.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 
 @dataclass(slots=True)
@@ -138,6 +138,14 @@ class SpecDecodeSampler:
         # Hidden states -> float32 logits, finished as the model's head does.
         self.logits = logits
         self.logprobs = logprobs
+
+    def take_drafts(self, so: SchedulerOutput, requests: dict[str, CachedRequestState]) -> None:
+        """Before the forward: a request's drafts follow its newest token in the scheduled run,
+        as known tokens until __call__ replaces them with what it accepted."""
+        for req_id, draft_token_ids in so.scheduled_spec_decode_tokens.items():
+            state = requests[req_id]
+            state.token_ids.extend(draft_token_ids)
+            state.spec_token_ids = draft_token_ids
 
     def __call__(self, hidden: torch.Tensor, query_start_loc: list[int],
                  states: list[CachedRequestState], rows: list[int],

@@ -17,6 +17,7 @@ persistent input batches, pipeline/tensor parallelism.
 """
 
 import logging
+from functools import partial
 
 import torch
 
@@ -36,7 +37,12 @@ from minicore.model.logprobs import LogprobsOutput
 from minicore.model.native import native_kernels
 from minicore.model.rejection_sampler import SpecDecodeSampler
 from minicore.model.runner_base import CachedRequestState, ModelRunnerBase
-from minicore.model.sampler import SamplingMetadata, apply_grammar_bitmask, sample
+from minicore.model.sampler import (
+    SamplingMetadata,
+    apply_grammar_bitmask,
+    sample,
+    take_grammar_rows,
+)
 from minicore.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -64,7 +70,7 @@ class ModelRunner(ModelRunnerBase):
         self.num_blocks = self._determine_num_blocks()
         self.init_kv_cache()
         self.logprobs = LogprobsOutput(self.vocab_size, self._logits)
-        self.sample_step = self._make_sample_step(config)
+        self.sample_step, self.take_sampling_inputs = self._make_sample_step(config)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens)", self.num_blocks,
                     self.block_size, (self.num_blocks - 1) * self.block_size)
 
@@ -143,24 +149,19 @@ class ModelRunner(ModelRunnerBase):
         return None if seed is None else torch.Generator(self.device).manual_seed(seed)
 
     def _make_sample_step(self, config: EngineConfig):
-        """Chosen once: one token per sampling row, or, with speculative decoding, each row's
-        drafts verified and its accepted ones plus one token (rejection_sampler.py)."""
+        """Chosen once: the sampling step, and what it takes from each SchedulerOutput before the
+        forward. One token per sampling row, masked by its grammar row (sampler.py); or, with
+        speculative decoding, each row's drafts verified and its accepted ones plus one token
+        (rejection_sampler.py)."""
         if config.speculative_config is None:
-            return self._sample
-        return SpecDecodeSampler(self.vocab_size, self.device, self._logits, self.logprobs)
+            return self._sample, partial(take_grammar_rows, requests=self.requests)
+        sampler = SpecDecodeSampler(self.vocab_size, self.device, self._logits, self.logprobs)
+        return sampler, partial(sampler.take_drafts, requests=self.requests)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         super()._update_states(so)
         self.logprobs.update_states(so)
-        # A request's drafts follow its newest token in the scheduled run: as known tokens until
-        # the sample step replaces them with what it accepted.
-        for req_id, draft_token_ids in so.scheduled_spec_decode_tokens.items():
-            state = self.requests[req_id]
-            state.token_ids.extend(draft_token_ids)
-            state.spec_token_ids = draft_token_ids
-        # A structured request's allowed tokens this step: its row of the grammar bitmask.
-        for req_id, row in so.structured_output_request_ids.items():
-            self.requests[req_id].grammar_bitmask = so.grammar_bitmask[row]
+        self.take_sampling_inputs(so)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:

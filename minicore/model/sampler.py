@@ -25,6 +25,7 @@ import torch
 
 from minicore.model.runner_base import CachedRequestState
 from minicore.protocol import LogprobsLists
+from minicore.scheduler.output import SchedulerOutput
 
 _NEG_INF = float("-inf")
 
@@ -244,6 +245,13 @@ def _mask_pairs(logits: torch.Tensor, rows: list[int], token_ids: list[int]) -> 
     if rows:
         logits[torch.tensor(rows, device=logits.device),
                torch.tensor(token_ids, device=logits.device)] = _NEG_INF
+
+
+def take_grammar_rows(so: SchedulerOutput, requests: dict[str, CachedRequestState]) -> None:
+    """A structured request's allowed tokens this step: its row of the step's grammar bitmask
+    (before the forward; apply_grammar_bitmask reads it)."""
+    for req_id, row in so.structured_output_request_ids.items():
+        requests[req_id].grammar_bitmask = so.grammar_bitmask[row]
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, states: Sequence[CachedRequestState]) -> None:

@@ -83,7 +83,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # since the last schedule(): the runner is told
         self.num_preemptions = 0
-        self.connector = connector  # a KV connector's scheduler side (None), for its component
+        self.connector = connector  # a KV connector's scheduler side or None (vLLM's)
         self.remote_kv = (NoRemoteKV() if connector is None else
                           connector.make_remote_kv(self.kv_cache_manager, scheduler_config))
         self.spec_decode = (NoSpecDecode() if speculative_config is None
