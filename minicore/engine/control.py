@@ -99,7 +99,7 @@ class EngineControl:
         _open(self.scheduler)
 
     def is_scheduler_paused(self) -> bool:
-        return "has_requests" in vars(self.scheduler)
+        return "has_requests" in vars(self.scheduler)  # shut by _shut
 
     # ---- sleep ---------------------------------------------------------------------------------
 
@@ -283,7 +283,6 @@ class ProcControl(EngineControl):
         self._send(utility_output=output)
 
 
-# The methods a UTILITY message may name: EngineControl's public ones.
 def _no_work() -> bool:
     return False
 
@@ -301,6 +300,7 @@ def _open(scheduler) -> None:
     vars(scheduler).pop("has_unfinished_requests", None)
 
 
+# The methods a UTILITY message may name: EngineControl's public ones.
 UTILITY_METHODS = frozenset(name for name, value in vars(EngineControl).items()
                             if callable(value) and not name.startswith("_"))
 
