@@ -27,7 +27,7 @@ from server_helpers import check_openai_error, post_json
 
 from minicore.entrypoints.openai_protocol import ChatCompletionRequest
 from minicore.entrypoints.tool_calls import MAX_TOOL_NAME_CHARS, MAX_TOOLS, check_tools
-from minicore.entrypoints.tool_parsers import Hermes2ProToolParser
+from minicore.entrypoints.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
 from minicore.structured_output.params import (
     MAX_GRAMMAR_BYTES,
     MAX_GRAMMAR_NESTING,

@@ -17,10 +17,10 @@ from minicore.entrypoints.openai_protocol import ChatCompletionRequest, OpenAIEr
 from minicore.entrypoints.serving import OpenAIServing
 from minicore.entrypoints.tool_calls import check_tools
 from minicore.entrypoints.tool_parsers import (
-    Hermes2ProToolParser,
     ToolParserManager,
     extract_required_tool_call_streaming,
 )
+from minicore.entrypoints.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
 from minicore.model.loader import load_tokenizer, resolve_model_dir
 from minicore.structured_output.params import StructuredOutputsParams, build_grammar
 

@@ -1,0 +1,26 @@
+"""Tool call parsers: a model's text to OpenAI tool calls, whole or streamed ("auto" tool choice),
+by name (--tool-call-parser).
+
+Mirrors vllm/tool_parsers/: the base and the registry (abstract_tool_parser.py), one file per
+model's format, each registering itself with vLLM's decorator
+(`@ToolParserManager.register_module("name")`), helpers (utils.py), and the "required" tool
+choice's streamed array (streaming.py). Every module of this package is imported with it, so a
+new parser is its file and its tests: --tool-call-parser lists it. Left out: vLLM's lazy imports
+and --tool-parser-plugin.
+"""
+
+import importlib
+import pkgutil
+
+from minicore.entrypoints.tool_parsers.abstract_tool_parser import (
+    ExtractedToolCallInformation,
+    ToolParser,
+    ToolParserManager,
+)
+from minicore.entrypoints.tool_parsers.streaming import extract_required_tool_call_streaming
+
+__all__ = ["ExtractedToolCallInformation", "ToolParser", "ToolParserManager",
+           "extract_required_tool_call_streaming"]
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
