@@ -55,3 +55,23 @@ def cpu_kind(request, monkeypatch):
     yield auto_dtype
     loader.cpu_flags.cache_clear()
     loader.resolve_auto_dtype.cache_clear()
+
+
+@pytest.fixture
+def plugin_file():
+    """Writes a module into a minicore package for the test's duration, as a plug-in's author
+    would (found as a file of the package); write(package, name, source, registry, key) returns
+    its module name. Afterwards the file, the module and its registry entry are gone."""
+    written = []
+
+    def write(package, name: str, source: str, registry: dict, key: str) -> str:
+        path = Path(package.__file__).parent / f"{name}.py"
+        path.write_text(source)
+        written.append((path, f"{package.__name__}.{name}", registry, key))
+        return f"{package.__name__}.{name}"
+
+    yield write
+    for path, module, registry, key in written:
+        path.unlink()
+        registry.pop(key, None)
+        sys.modules.pop(module, None)

@@ -7,9 +7,6 @@ import importlib
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
-
-import pytest
 
 import minicore.entrypoints.tool_parsers as tool_parsers
 from minicore.entrypoints.tool_parsers import ToolParserManager
@@ -28,29 +25,16 @@ ECHO = textwrap.dedent('''
         def extract_tool_calls(self, model_output):
             return ExtractedToolCallInformation(False, [], model_output)
 ''')
-MODULE = "minicore.entrypoints.tool_parsers.echo_for_test"
-
-
-@pytest.fixture
-def echo_parser():
-    path = Path(tool_parsers.__file__).parent / "echo_for_test.py"
-    path.write_text(ECHO)
-    try:
-        yield path
-    finally:
-        path.unlink()
-        ToolParserManager.tool_parsers.pop("echo_for_test", None)
-        sys.modules.pop(MODULE, None)
-
-
 def test_the_shipped_parsers_register_themselves():
     assert ToolParserManager.list_registered() == ["hermes"]
 
 
-def test_a_new_parser_is_one_file(echo_parser):
+def test_a_new_parser_is_one_file(plugin_file):
+    module = plugin_file(tool_parsers, "echo_for_test", ECHO, ToolParserManager.tool_parsers,
+                         "echo_for_test")
     help_text = subprocess.run([sys.executable, "-m", "minicore", "serve", "--help"],
                                capture_output=True, text=True, timeout=60).stdout
     assert "--tool-call-parser {echo_for_test,hermes}" in help_text
-    importlib.import_module(MODULE)  # what importing the package does in a fresh process
+    importlib.import_module(module)  # what importing the package does in a fresh process
     parser = ToolParserManager.get_tool_parser("echo_for_test")()
     assert parser.extract_tool_calls("no call").content == "no call"

@@ -8,7 +8,6 @@ disable_by_batch_size) without touching the scheduler."""
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -38,23 +37,13 @@ REPEAT_LAST = textwrap.dedent('''
 ''')
 
 
-@pytest.fixture
-def repeat_last():
-    path = Path(minicore.spec_decode.__file__).parent / "repeat_last_for_test.py"
-    path.write_text(REPEAT_LAST)
-    try:
-        yield path
-    finally:
-        path.unlink()
-        Drafter.registry.pop("repeat_last", None)
-        sys.modules.pop("minicore.spec_decode.repeat_last_for_test", None)
-
-
 def test_every_method_file_registers_itself():
     assert drafters() == {"ngram": NgramProposer}
 
 
-def test_a_new_method_is_one_file(repeat_last):
+def test_a_new_method_is_one_file(plugin_file):
+    plugin_file(minicore.spec_decode, "repeat_last_for_test", REPEAT_LAST, Drafter.registry,
+                "repeat_last")
     assert set(drafters()) == {"ngram", "repeat_last"}
     spec = SpeculativeConfig(method="repeat_last", num_speculative_tokens=2,
                              disable_by_batch_size=3)
