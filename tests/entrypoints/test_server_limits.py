@@ -58,10 +58,10 @@ def _assert_serving(url: str) -> None:
 # --------------------------------------------------------------------------- bodies and prompts
 
 
-async def _while_probing(url: str, request) -> tuple[float, list[float]]:
+async def _while_probing(url: str, request) -> tuple[float, dict[str, list[float]]]:
     """Run request() while other connections ask /health and a small completion (token ids: no
-    tokenizing) again and again; return how long request() took and every probe's latency."""
-    latencies: list[float] = []
+    tokenizing) again and again; return how long request() took and each path's latencies."""
+    latencies: dict[str, list[float]] = {"/health": [], "/v1/completions": []}
     done = asyncio.Event()
 
     async def probe(path: str, body) -> None:
@@ -69,7 +69,7 @@ async def _while_probing(url: str, request) -> tuple[float, list[float]]:
             while not done.is_set():
                 t0 = time.monotonic()
                 r = await (http.post(path, json=body) if body else http.get(path))
-                latencies.append(time.monotonic() - t0)
+                latencies[path].append(time.monotonic() - t0)
                 assert r.status_code == 200, r.text[:500]
                 await asyncio.sleep(0.01)
 
@@ -108,7 +108,8 @@ async def test_a_50_mb_prompt_is_refused_before_parsing_and_others_are_served_me
         # The connection stays usable: the refused body was read to its end.
         assert (await http.post("/v1/completions", json=SMALL)).status_code == 200
     assert elapsed < READ_S
-    assert max(latencies) < 1.0, sorted(latencies)[-5:]
+    every = sorted(latencies["/health"] + latencies["/v1/completions"])
+    assert every[-1] < 1.0, every[-5:]
 
 
 async def test_a_long_prompt_is_tokenized_off_the_event_loop(server):
@@ -124,8 +125,11 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(server):
         assert error["param"] == "prompt" and "maximum context length" in error["message"]
 
     elapsed, latencies = await _while_probing(server.url, request)
-    assert len(latencies) >= 4, (elapsed, latencies)
-    assert max(latencies) < max(0.25, elapsed / 3), (elapsed, sorted(latencies)[-5:])
+    # /health touches only the event loop: the measure of its being free. A completion also waits
+    # for a forward on a CPU the tokenizing thread shares, so it need only keep being served.
+    health = sorted(latencies["/health"])
+    assert len(health) >= 4 and len(latencies["/v1/completions"]) >= 2, (elapsed, latencies)
+    assert health[-1] < max(0.25, elapsed / 3), (elapsed, health[-5:])
 
 
 def test_a_chunked_body_over_the_limit_is_refused(server):
