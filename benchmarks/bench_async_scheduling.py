@@ -44,6 +44,7 @@ from bench_throughput import make_workload  # noqa: E402
 from machine import cpu_description  # noqa: E402
 
 from minicore.config import create_engine_config  # noqa: E402
+from minicore.engine.components import make_engine_core
 from minicore.engine.core import EngineCore  # noqa: E402
 from minicore.model.config import SimulatedCost  # noqa: E402
 from minicore.model.simulated import NOMINAL_KV_BYTES_PER_TOKEN  # noqa: E402
@@ -60,7 +61,7 @@ def simulated_engine(num_requests: int, max_tokens: int, step_s: float, on: bool
     # The simulated runner only counts blocks: size the cache for every request's whole length,
     # so nothing is ever preempted, and the batch for one step's prefill of them all.
     blocks = num_requests * (-(-(PROMPT_LEN + max_tokens) // BLOCK_SIZE) + 1) + 8
-    return EngineCore(create_engine_config(
+    return make_engine_core(create_engine_config(
         runner="simulated", simulated_cost=SimulatedCost(step_s=step_s), async_scheduling=on,
         max_num_seqs=num_requests, max_num_batched_tokens=max(8192, num_requests * PROMPT_LEN),
         max_model_len=PROMPT_LEN + max_tokens,

@@ -397,9 +397,9 @@ class MiniSide:
         from minicore.request import Request, RequestStatus
         from minicore.sampling_params import SamplingParams
         from minicore.scheduler import Scheduler
+        from minicore.scheduler.interfaces import NO_SPEC_DECODE, DraftTokenIds
         from minicore.scheduler.output import ModelRunnerOutput
-        from minicore.scheduler.spec_decode import DraftTokenIds
-        from minicore.spec_decode.config import SpeculativeConfig
+        from minicore.scheduler.spec_decode import SpecDecode
 
         self.m = SimpleNamespace(ModelRunnerOutput=ModelRunnerOutput, Request=Request,
                                  RequestStatus=RequestStatus, SamplingParams=SamplingParams,
@@ -415,8 +415,7 @@ class MiniSide:
                             policy=cfg["policy"]),
             CacheConfig(block_size=cfg["block_size"], num_blocks=cfg["num_blocks"],
                         enable_prefix_caching=cfg["enable_prefix_caching"]),
-            speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=self.k)
-            if self.k else None)
+            spec_decode=SpecDecode(self.k) if self.k else NO_SPEC_DECODE)
         self.seen_output: set[str] = set()
 
     def add(self, spec: ReqSpec) -> None:

@@ -23,8 +23,8 @@ from tqdm.auto import tqdm
 
 from minicore.arg_utils import resolve_chat_template
 from minicore.config import create_engine_config
+from minicore.engine.components import make_engine_core
 from minicore.engine.control import PauseMode
-from minicore.engine.core import EngineCore
 from minicore.engine.input_processor import InputProcessor
 from minicore.engine.launch import log_engine_config, resolve_max_model_len, resolve_model
 from minicore.engine.output_processor import OutputProcessor
@@ -120,7 +120,7 @@ class LLM:
         self.config = (resolve_max_model_len(config, model.config.to_dict(),
                                              {"model_max_length": tokenizer.model_max_length})
                        if loaded else resolve_model(config))
-        self.llm_engine = EngineCore(self.config, model if loaded else None, tokenizer)
+        self.llm_engine = make_engine_core(self.config, model if loaded else None, tokenizer)
         runner = self.llm_engine.model_runner
         log_engine_config(self.config, runner)
         self.tokenizer = runner.tokenizer

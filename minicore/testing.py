@@ -28,12 +28,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 
 from minicore.config import CacheConfig, SchedulerConfig
+from minicore.engine.components import scheduler_components
 from minicore.protocol import EngineCoreOutput
 from minicore.request import Request
 from minicore.sampling_params import SamplingParams
 from minicore.scheduler import KVCacheBlock, Scheduler, SchedulerOutput
+from minicore.scheduler.interfaces import DraftTokenIds
 from minicore.scheduler.output import ModelRunnerOutput
-from minicore.scheduler.spec_decode import DraftTokenIds
 
 __all__ = ["FAKE_TOKEN_BASE", "Script", "Step", "block", "default_tokens", "fake_model_output",
            "finish_step", "free_ids", "make_request", "make_scheduler", "num_free", "outputs_by_id",
@@ -59,10 +60,12 @@ _prompt_base = itertools.count(1)
 def make_scheduler(*, cls: type[Scheduler] = Scheduler, **kwargs) -> Scheduler:
     """A scheduler of class cls. A keyword named like a SchedulerConfig or CacheConfig field sets
     it (policy=, enable_chunked_prefill=, block_size=, num_blocks=, balance_threshold=, ...); the
-    rest go to cls (connector=, BalanceScheduler's dp_size=)."""
-    sched = {**SCHEDULER_DEFAULTS, **_take(kwargs, SchedulerConfig)}
-    cache = {**CACHE_DEFAULTS, **_take(kwargs, CacheConfig)}
-    return cls(SchedulerConfig(**sched), CacheConfig(**cache), **kwargs)
+    rest go to cls (connector=, BalanceScheduler's dp_size=), but for speculative_config=, whose
+    component the composition root chooses, as async_scheduling='s."""
+    sched = SchedulerConfig(**{**SCHEDULER_DEFAULTS, **_take(kwargs, SchedulerConfig)})
+    cache = CacheConfig(**{**CACHE_DEFAULTS, **_take(kwargs, CacheConfig)})
+    components = scheduler_components(sched, kwargs.pop("speculative_config", None))
+    return cls(sched, cache, **components, **kwargs)
 
 
 def _take(kwargs: dict, config_cls) -> dict:

@@ -1,5 +1,5 @@
-"""The scheduler's KV-connector seam (minicore/scheduler/remote_kv.py): without a connector the
-Scheduler binds NoRemoteKV and its outputs carry no connector state; with one it binds the
+"""The scheduler's KV-connector seam (NoRemoteKV, minicore/scheduler/interfaces.py): without a
+connector the Scheduler binds NoRemoteKV and its outputs carry no connector state; with one the
 connector's ConnectorRemoteKV (minicore/kv_transfer/remote_kv.py), which calls the connector at
 fixed points (admission, the step's metadata, finish), parks a request whose KV comes from
 elsewhere until it arrives, and holds a finished request's blocks while the connector says so. A
@@ -15,8 +15,8 @@ from minicore.kv_transfer.nixl import NixlConnector
 from minicore.kv_transfer.remote_kv import ConnectorRemoteKV
 from minicore.request import RequestStatus
 from minicore.scheduler import BalanceScheduler, Scheduler
+from minicore.scheduler.interfaces import NoRemoteKV
 from minicore.scheduler.output import KVConnectorOutput
-from minicore.scheduler.remote_kv import NoRemoteKV
 from minicore.testing import (
     fake_model_output,
     make_request,

@@ -8,7 +8,7 @@ while it equals the token it samples there (FAKE_TOKEN_BASE + the output's index
 import pytest
 
 from minicore.request import RequestStatus
-from minicore.scheduler.spec_decode import DraftTokenIds
+from minicore.scheduler.interfaces import DraftTokenIds
 from minicore.spec_decode.config import SpeculativeConfig
 from minicore.testing import (
     FAKE_TOKEN_BASE,

@@ -22,25 +22,28 @@ Left out: elastic scaling (reinitialize_distributed), external load balancers.
 import asyncio
 import logging
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.asyncio
 
-from minicore.config import EngineConfig
-from minicore.dp.fingerprint import check_dp_ranks_agree
 from minicore.dp.group import DPGroup
 from minicore.dp.wave import is_sync_step, runs_dummy_batch
 from minicore.engine.core_proc import HANDSHAKE_TIMEOUT_S, EngineCoreProc
-from minicore.model.expert_parallel import make_expert_sharder
-from minicore.model.registry import runner_info
 from minicore.protocol import EngineCoreRequestType
+
+if TYPE_CHECKING:
+    from minicore.config import EngineConfig
+    from minicore.engine.components import EngineComponents
 
 logger = logging.getLogger(__name__)
 
 
 class DPEngineCoreProc(EngineCoreProc):
-    def __init__(self, config: EngineConfig, handshake_address: str, engine_index: int,
-                 handshake_timeout: float = HANDSHAKE_TIMEOUT_S):
+    def __init__(self, config: "EngineConfig",
+                 build_components: "Callable[..., EngineComponents]", handshake_address: str,
+                 engine_index: int, handshake_timeout: float = HANDSHAKE_TIMEOUT_S):
         # Steps of the current wave, for the every-32-steps sync.
         self.step_counter = 0
         self.current_wave = 0
@@ -51,26 +54,19 @@ class DPEngineCoreProc(EngineCoreProc):
         self.count_sync = config.scheduler_config.balance_count_sync
         self.dp_group: DPGroup | None = None
         self._monitor: zmq.Socket | None = None
-        # Bound once: the balance gate's count sync after every step (none without the gate),
-        # and, for a runner whose forwards report a step time, forwards kept in lockstep.
+        # Bound once: the balance gate's count sync after every step (none without the gate).
         self._sync_balance_counts = self._choose_balance_count_sync()
-        if runner_info(config.model_config.runner).reports_step_time:
+        # The root checks this rank's config against its peers' and shards its experts first.
+        super().__init__(config, lambda c: build_components(c, dp_group=self.dp_group),
+                         handshake_address, engine_index, handshake_timeout)
+        # For a runner whose forwards report a step time: forwards kept in lockstep.
+        if self.runner_info.reports_step_time:
             self._run_forward = self._run_forward_in_lockstep
-        super().__init__(config, handshake_address, engine_index, handshake_timeout)
 
-    def _init_data_parallel(self, config: EngineConfig) -> None:
+    def _init_data_parallel(self, config: "EngineConfig") -> None:
         pc = config.parallel_config
         self.dp_group = DPGroup(self.dp_rank, pc.data_parallel_size, pc.data_parallel_address,
                                 pc.data_parallel_rpc_port, timeout_s=HANDSHAKE_TIMEOUT_S)
-        # First thing together: ranks that differ would hang, or garble, what follows.
-        check_dp_ranks_agree(config, self.dp_group.all_gather_json)
-        self._prepare_model = make_expert_sharder(
-            config, self.dp_group.new_expert_parallel_group, self.dp_rank)
-
-    def _load_model(self, config: EngineConfig):
-        model, tokenizer = super()._load_model(config)
-        # Before the runner exists: on CUDA its profiling forward already meets the peers.
-        return self._prepare_model(model), tokenizer
 
     def close(self, fatal: bool) -> None:
         if self.dp_group is not None:

@@ -31,6 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from minicore.config import EngineConfig
 from minicore.dp.engine import DPEngineCoreProc
+from minicore.engine.components import build_components
 from minicore.engine.core_client import DPLBAsyncMPClient
 from minicore.engine.launch import configure_engine_process, log_engine_config, resolve_model
 
@@ -50,7 +51,7 @@ class RayDPEngineCoreProc(DPEngineCoreProc):
 
     def __init__(self, config: EngineConfig, addresses: dict[str, str], rank: int):
         self.addresses = addresses
-        super().__init__(config, "", rank)
+        super().__init__(config, build_components, "", rank)
 
     @contextlib.contextmanager
     def _perform_handshakes(self, address: str, identity: bytes, timeout: float):

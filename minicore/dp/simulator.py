@@ -34,9 +34,9 @@ from minicore.dp.wave import is_sync_step, runs_dummy_batch
 from minicore.request import Request
 from minicore.sampling_params import SamplingParams
 from minicore.scheduler.balance import BalanceScheduler
+from minicore.scheduler.interfaces import DraftTokenIds
 from minicore.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from minicore.scheduler.scheduler import Scheduler
-from minicore.scheduler.spec_decode import DraftTokenIds
 from minicore.spec_decode.config import SpeculativeConfig
 from minicore.spec_decode.drafter import decoding_requests
 from minicore.spec_decode.metrics import SpecDecodingStats, sum_spec_stats

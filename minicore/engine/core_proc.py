@@ -19,13 +19,13 @@ import logging
 import os
 import signal
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from minicore.config import EngineConfig
 from minicore.engine.control import ProcControl, decode_ext
 from minicore.engine.core import EngineCore
 from minicore.protocol import (
@@ -38,6 +38,10 @@ from minicore.protocol import (
 )
 from minicore.request import FinishReason, Request
 from minicore.utils import freeze_gc_heap, make_zmq_socket
+
+if TYPE_CHECKING:
+    from minicore.config import EngineConfig
+    from minicore.engine.components import EngineComponents
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +61,12 @@ class EngineCoreProc(ProcControl, EngineCore):
     """An EngineCore behind sockets. Built synchronously (handshake and model load, before any
     event loop); run() then serves on the running loop."""
 
-    def __init__(self, config: EngineConfig, handshake_address: str, engine_index: int = 0,
+    def __init__(self, config: "EngineConfig",
+                 build_components: "Callable[[EngineConfig], EngineComponents]",
+                 handshake_address: str, engine_index: int = 0,
                  handshake_timeout: float = HANDSHAKE_TIMEOUT_S):
+        """build_components: the composition root's (minicore/engine/components.py), called once
+        the handshake is under way and the DP group joined."""
         self.engine_index = engine_index
         self.parent_pid = os.getppid()
         self.shutdown_requested = False
@@ -73,7 +81,7 @@ class EngineCoreProc(ProcControl, EngineCore):
             # The frontend's ROUTER can route to this engine only once it has heard from it.
             self._input_socket.send(b"")
             self._init_data_parallel(config)
-            super().__init__(config)
+            super().__init__(config, build_components(config))
             freeze_gc_heap()
         self._decoders = {
             EngineCoreRequestType.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
@@ -88,7 +96,7 @@ class EngineCoreProc(ProcControl, EngineCore):
         if self.batch_queue_size > 1:
             self._process_engine_step = self._process_batch_queue_step
 
-    def _init_data_parallel(self, config: EngineConfig) -> None:
+    def _init_data_parallel(self, config: "EngineConfig") -> None:
         """Join the DP group before the model loads (DPEngineCoreProc); nothing to do alone."""
 
     @contextlib.contextmanager

@@ -35,6 +35,7 @@ import zmq.asyncio
 
 from minicore.arg_utils import derived_max_model_len, read_json_file
 from minicore.config import EngineConfig
+from minicore.engine.components import build_components
 from minicore.engine.core_proc import HANDSHAKE_TIMEOUT_S, EngineCoreProc
 from minicore.logger import configure_logging, init_logger
 from minicore.model.registry import runner_info
@@ -123,8 +124,8 @@ def run_engine_core(config: EngineConfig, handshake_address: str, engine_index: 
 
             engine_core_cls = DPEngineCoreProc
         try:
-            engine_core = engine_core_cls(config, handshake_address, engine_index,
-                                          handshake_timeout)
+            engine_core = engine_core_cls(config, build_components, handshake_address,
+                                          engine_index, handshake_timeout)
         finally:
             stop_watch()
         log_engine_config(engine_core.config, engine_core.model_runner)

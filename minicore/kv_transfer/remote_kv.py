@@ -5,7 +5,7 @@ Mirrors the KV-connector parts of vllm/v1/core/sched/scheduler.py: the connector
 schedule() and _free_request, the load_kv_async branch (here ConnectorRemoteKV.park),
 _update_waiting_for_remote_kv, _update_from_kv_xfer_finished and _handle_invalid_blocks. The
 Scheduler binds it at construction when it has a connector (the seam and its do-nothing default:
-minicore/scheduler/remote_kv.py), and calls it at fixed points.
+minicore/scheduler/interfaces.py), and calls it at fixed points.
 
 Request states (decode side, the consumer):
   WAITING --get_num_new_matched_tokens > 0--> WAITING_FOR_REMOTE_KVS, blocks allocated (not yet in
@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING
 
 from minicore.protocol import EngineCoreOutput, FinishReason
 from minicore.request import Request, RequestStatus
+from minicore.scheduler.interfaces import NoRemoteKV
 from minicore.scheduler.output import KVConnectorOutput
-from minicore.scheduler.remote_kv import NoRemoteKV
 
 if TYPE_CHECKING:
     from minicore.config import SchedulerConfig

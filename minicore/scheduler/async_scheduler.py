@@ -1,7 +1,8 @@
 """The scheduler's side of async scheduling: output placeholders for the tokens of steps in flight.
 
-Mirrors AsyncScheduler in vllm/v1/core/sched/async_scheduler.py, as a component bound once in
-Scheduler.__init__ instead of a subclass (so that it composes with BalanceScheduler). With async
+Mirrors AsyncScheduler in vllm/v1/core/sched/async_scheduler.py, as a component the composition
+root binds (minicore/engine/components.py; NoPlaceholders without async scheduling) instead of a
+subclass (so that it composes with BalanceScheduler). With async
 scheduling the engine schedules step N+1 before step N's tokens are back (EngineCore's batch
 queue). A request scheduled to its last known token samples one token that nobody knows yet: its
 placeholder, counted in num_output_placeholders. Step N+1 then schedules that position too (the
@@ -13,6 +14,7 @@ Left out: draft placeholders (vLLM's EAGLE/MTP path) and structured output's pen
 """
 
 from minicore.request import Request
+from minicore.scheduler.interfaces import NoPlaceholders
 from minicore.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 
@@ -27,24 +29,7 @@ def ends_in_flight(request: Request, max_model_len: int) -> bool:
         max_tokens is not None and length >= request.num_prompt_tokens + max_tokens)
 
 
-class NoPlaceholders:
-    """Without async scheduling: every step's output is back before the next is scheduled."""
-
-    def ends_in_flight(self, request: Request, max_model_len: int) -> bool:
-        """Whether the running pass must skip the request this step."""
-        return False
-
-    def after_schedule(self, scheduler_output: SchedulerOutput,
-                       requests: dict[str, Request]) -> None:
-        pass
-
-    def requests_to_update(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput,
-                           requests: dict[str, Request]) -> dict[str, Request]:
-        return requests
-
-
-class OutputPlaceholders:
+class OutputPlaceholders(NoPlaceholders):
     def __init__(self):
         # id(SchedulerOutput) -> the requests it scheduled, until its output is back.
         self._in_flight: dict[int, dict[str, Request]] = {}

@@ -7,10 +7,11 @@ Checked step by step against vLLM 0.32.0's scheduler with benchmarks/vllm_differ
 (docs/FIDELITY.md). Two deliberate deviations: a priority-policy victim preempted after being
 scheduled in the same step leaves no never-computed block in the prefix cache (vLLM 0.32 leaves
 their hashes registered), and finish_requests frees in the order given (vLLM: set order).
-Features outside the core bind once, at construction, as components with do-nothing defaults:
-the scheduling policy (policies/), the KV connector (remote_kv.py), BalanceScheduler's gate
-(balance.py), logprobs (logprobs.py), speculative decoding (spec_decode.py), async scheduling's
-placeholders (async_scheduler.py) and structured outputs (structured_output.py). The engine's
+Features outside the core bind once, at construction, as components whose seams and do-nothing
+defaults are interfaces.py's (the KV connector, drafts, async scheduling's placeholders,
+structured outputs; the composition root, minicore/engine/components.py, picks the real ones),
+beside the scheduling policy (policies/), BalanceScheduler's gate (balance.py) and logprobs
+(logprobs.py). The engine's
 pause (vLLM's PauseState.PAUSED_ALL) is a gate engine/control.py binds over has_requests and
 has_unfinished_requests. Left out: encoders, LoRA.
 """
@@ -21,7 +22,15 @@ from typing import TYPE_CHECKING
 
 from minicore.protocol import EngineCoreEvent, EngineCoreEventType, EngineCoreOutput, SchedulerStats
 from minicore.request import Request, RequestStatus
-from minicore.scheduler.async_scheduler import NoPlaceholders, OutputPlaceholders
+from minicore.scheduler.interfaces import (
+    NO_PLACEHOLDERS,
+    NO_REMOTE_KV,
+    NO_SPEC_DECODE,
+    NO_STRUCTURED_OUTPUT,
+    DraftTokenIds,
+    NoPlaceholders,
+    NoSpecDecode,
+)
 from minicore.scheduler.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from minicore.scheduler.logprobs import add_logprobs
 from minicore.scheduler.output import (
@@ -31,15 +40,11 @@ from minicore.scheduler.output import (
     SchedulerOutput,
 )
 from minicore.scheduler.policies import get_policy
-from minicore.scheduler.remote_kv import NoRemoteKV
-from minicore.scheduler.spec_decode import DraftTokenIds, NoSpecDecode, SpecDecode
-from minicore.scheduler.structured_output import NO_STRUCTURED_OUTPUT
 from minicore.scheduler.utils import check_stop
 
 if TYPE_CHECKING:
     from minicore.config import CacheConfig, SchedulerConfig
     from minicore.kv_transfer.base import KVConnectorBase_V1
-    from minicore.spec_decode.config import SpeculativeConfig
 
 RUNNING = RequestStatus.RUNNING
 # The statuses of the requests in the waiting queue (a parked one, WAITING_FOR_REMOTE_KVS, is not).
@@ -66,8 +71,12 @@ class _StepState:
 class Scheduler:
     def __init__(self, scheduler_config: "SchedulerConfig", cache_config: "CacheConfig",
                  connector: "KVConnectorBase_V1 | None" = None,
-                 speculative_config: "SpeculativeConfig | None" = None,
-                 structured_output_manager=NO_STRUCTURED_OUTPUT):
+                 structured_output_manager=NO_STRUCTURED_OUTPUT, *,
+                 spec_decode: NoSpecDecode = NO_SPEC_DECODE,
+                 placeholders: NoPlaceholders = NO_PLACEHOLDERS):
+        """The components (a KV connector's scheduler side, the structured output manager's,
+        drafts', async scheduling's placeholders) are chosen by the composition root
+        (minicore/engine/components.py); each defaults to doing nothing."""
         if cache_config.num_blocks is None:
             raise ValueError("cache_config.num_blocks must be set before building a Scheduler")
         self.scheduler_config = scheduler_config
@@ -84,12 +93,10 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()  # since the last schedule(): the runner is told
         self.num_preemptions = 0
         self.connector = connector  # a KV connector's scheduler side or None (vLLM's)
-        self.remote_kv = (NoRemoteKV() if connector is None else
+        self.remote_kv = (NO_REMOTE_KV if connector is None else
                           connector.make_remote_kv(self.kv_cache_manager, scheduler_config))
-        self.spec_decode = (NoSpecDecode() if speculative_config is None
-                            else SpecDecode(speculative_config.num_speculative_tokens))
-        self.placeholders = (OutputPlaceholders() if scheduler_config.async_scheduling
-                             else NoPlaceholders())
+        self.spec_decode = spec_decode
+        self.placeholders = placeholders
         self.structured_output_manager = structured_output_manager
 
     # ---- requests in and out -------------------------------------------------------------------

@@ -6,47 +6,20 @@ pass, take_scheduled_drafts reports the drafts the token budget let through
 (scheduled_spec_decode_tokens) and uses every scheduled request's drafts up. update_from_output
 first calls take_back_rejected: the runner returns the accepted drafts and one more token, so the
 rejected drafts' positions leave num_computed_tokens, and their KV slots are written again by the
-next step (allocate_slots never hashes a draft's block: only known tokens are cached). Bound once
-in Scheduler.__init__: without --speculative-config, NoSpecDecode does nothing at either point.
-DraftTokenIds carries the drafter's proposals to Scheduler.update_draft_token_ids.
+next step (allocate_slots never hashes a draft's block: only known tokens are cached). Bound by
+the composition root (minicore/engine/components.py): without --speculative-config,
+NoSpecDecode (minicore/scheduler/interfaces.py) does nothing at either point.
 Left out: lookahead slots, which vLLM allocates only for proposers that write KV past the drafts
 (EAGLE, MTP; num_lookahead_tokens is 0 for ngram), and the structured-output check of drafts.
 """
 
-from dataclasses import dataclass
-
 from minicore.request import Request
+from minicore.scheduler.interfaces import DraftTokenIds, NoSpecDecode
 from minicore.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from minicore.spec_decode.metrics import SpecDecodingStats
 
 
-@dataclass(slots=True)
-class DraftTokenIds:
-    """The drafter's proposals after a step, one list per request, possibly empty (vLLM:
-    vllm/v1/outputs.py)."""
-    req_ids: list[str]
-    draft_token_ids: list[list[int]]
-
-
-class NoSpecDecode:
-    stats = None
-
-    def take_scheduled_drafts(self, req_ids: list[str],
-                              requests: dict[str, Request]) -> dict[str, list[int]]:
-        return {}
-
-    def take_back_rejected(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput, requests: dict[str, Request]) -> None:
-        pass
-
-    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds,
-                               requests: dict[str, Request], max_model_len: int) -> None:
-        """Nothing to take: EngineCore hands over a NoDrafter's empty proposals every step."""
-        if draft_token_ids.req_ids:
-            raise ValueError("draft tokens need a scheduler built with a speculative_config")
-
-
-class SpecDecode:
+class SpecDecode(NoSpecDecode):
     def __init__(self, num_spec_tokens: int):
         self.stats = SpecDecodingStats.new(num_spec_tokens)
         # The requests of the last step that sampled nothing: their chunk left them mid-prefill.

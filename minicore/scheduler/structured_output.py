@@ -5,44 +5,16 @@ queue as WAITING_FOR_FSM until its grammar has compiled (promote_compiled, at th
 schedule(); admission passes over such requests, which keep their place: skip_uncompiled and
 restore_skipped, vLLM's skipped_waiting_requests), each step's output carries the grammar bitmask of
 its structured requests (grammar_bitmask), and the update advances their matchers with the
-tokens they sampled (accept_tokens). The manager that does the work, on xgrammar, is
-StructuredOutputManager (minicore/structured_output/manager.py), bound in EngineCore; without one
-(a runner without logits), NoStructuredOutput does nothing at each point. Pure Python.
+tokens they sampled (accept_tokens). The seam is NoStructuredOutput
+(minicore/scheduler/interfaces.py); here is the admission part every manager shares. The manager
+that does the rest, on xgrammar, is StructuredOutputManager (minicore/structured_output/manager.py),
+bound by the composition root. Pure Python.
 """
 
-from collections.abc import Sequence
 
-from minicore.protocol import EngineCoreOutput
 from minicore.request import Request, RequestStatus
-from minicore.scheduler.output import SchedulerOutput
+from minicore.scheduler.interfaces import NoStructuredOutput
 from minicore.scheduler.policies.base import RequestQueue
-
-
-class NoStructuredOutput:
-    def promote_compiled(self) -> None:
-        pass
-
-    def skip_uncompiled(self, waiting: RequestQueue) -> bool:
-        """Before each admission: pass over the requests at the head of the waiting queue whose
-        grammar still compiles; whether a request is left to admit (the queue is not empty)."""
-        return True
-
-    def restore_skipped(self, waiting: RequestQueue) -> None:
-        """After admission: the requests passed over, back at the head in their order."""
-
-    def grammar_bitmask(self, scheduler_output: SchedulerOutput,
-                        requests: dict[str, Request]) -> None:
-        pass
-
-    def accept_tokens(self, outputs: list[EngineCoreOutput],
-                      requests: dict[str, Request]) -> Sequence[str]:
-        """Advance each structured request's matcher with the tokens it sampled this step; the
-        ids of the requests to end (their grammar did not compile: their error outputs are
-        appended to outputs)."""
-        return ()
-
-
-NO_STRUCTURED_OUTPUT = NoStructuredOutput()
 
 
 class SkipsUncompiled(NoStructuredOutput):

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from minicore.request import Request, RequestStatus
-from minicore.scheduler.spec_decode import DraftTokenIds
+from minicore.scheduler.interfaces import DraftTokenIds
 
 if TYPE_CHECKING:
     from minicore.config import EngineConfig

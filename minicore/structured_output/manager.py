@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 from minicore.protocol import EngineCoreOutput
 from minicore.request import FinishReason, Request, RequestStatus
+from minicore.scheduler.interfaces import NO_STRUCTURED_OUTPUT
 from minicore.scheduler.output import SchedulerOutput
-from minicore.scheduler.structured_output import NO_STRUCTURED_OUTPUT, SkipsUncompiled
+from minicore.scheduler.structured_output import SkipsUncompiled
 from minicore.structured_output.params import StructuredOutputsParams, build_grammar
 
 logger = logging.getLogger(__name__)

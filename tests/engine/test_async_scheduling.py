@@ -11,7 +11,7 @@ import pytest
 
 from minicore.config import create_engine_config
 from minicore.engine.async_llm import AsyncLLM
-from minicore.engine.core import EngineCore
+from minicore.engine.components import make_engine_core
 from minicore.llm import LLM
 from minicore.request import Request
 from minicore.sampling_params import SamplingParams
@@ -87,7 +87,7 @@ def test_an_abort_with_a_step_in_flight_gives_no_output_and_frees_its_blocks(
         hf_model_and_tokenizer):
     model, tokenizer = hf_model_and_tokenizer
     config = create_engine_config(async_scheduling=True, **ENGINE_ARGS)
-    engine = EngineCore(config, model, tokenizer)
+    engine = make_engine_core(config, model, tokenizer)
     ids = tokenizer(PROMPTS[0]).input_ids
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     for name in "ab":

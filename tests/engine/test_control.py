@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from minicore.config import create_engine_config
+from minicore.engine.components import make_engine_core
 from minicore.engine.control import (
     UTILITY_METHODS,
     PickledCallable,
@@ -24,8 +25,8 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
 
 
 def engine(**engine_args) -> EngineCore:
-    return EngineCore(create_engine_config(runner="simulated", max_model_len=256, block_size=4,
-                                           **engine_args))
+    return make_engine_core(create_engine_config(runner="simulated", max_model_len=256,
+                                                 block_size=4, **engine_args))
 
 
 def add(core: EngineCore, max_tokens: int = 20) -> None:

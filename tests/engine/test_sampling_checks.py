@@ -7,7 +7,7 @@ path: EngineCore.add_request raises ValueError)."""
 import pytest
 
 from minicore.config import create_engine_config
-from minicore.engine.core import EngineCore
+from minicore.engine.components import make_engine_core
 from minicore.engine.input_processor import InputProcessor, InvalidRequestError
 from minicore.request import Request
 from minicore.sampling_params import SamplingParams
@@ -88,7 +88,8 @@ def test_the_simulated_runner_refuses_logprobs_in_the_frontend_and_the_engine():
     with pytest.raises(InvalidRequestError, match="simulated") as ei:
         processor(runner="simulated").process_inputs("s", [5], SamplingParams(prompt_logprobs=0))
     assert ei.value.param == "prompt_logprobs"
-    engine = EngineCore(create_engine_config(runner="simulated", max_model_len=64, num_blocks=64))
+    engine = make_engine_core(create_engine_config(runner="simulated", max_model_len=64,
+                                                   num_blocks=64))
     with pytest.raises(ValueError, match="simulated"):
         engine.add_request(Request("s", [5], SamplingParams(logprobs=1)))
     with pytest.raises(ValueError, match="logit_bias"):

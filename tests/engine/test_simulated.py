@@ -7,6 +7,7 @@ import time
 import pytest
 
 from minicore.config import create_engine_config
+from minicore.engine.components import make_engine_core
 from minicore.engine.core import EngineCore
 from minicore.model.config import SimulatedCost
 from minicore.model.simulated import (
@@ -21,7 +22,7 @@ EOS = frozenset({2})
 
 
 def make_engine(**engine_args) -> EngineCore:
-    return EngineCore(create_engine_config(runner="simulated", **engine_args))
+    return make_engine_core(create_engine_config(runner="simulated", **engine_args))
 
 
 def run(engine: EngineCore, requests: list[Request]) -> dict[str, list[int]]:

@@ -10,6 +10,7 @@ import asyncio
 import pytest
 
 from minicore.config import create_engine_config
+from minicore.engine.components import build_components, make_engine_core
 from minicore.engine.core import EngineCore
 from minicore.engine.core_proc import EngineCoreProc
 from minicore.testing import make_request
@@ -46,7 +47,7 @@ def outputs_of(outputs) -> list:
 
 
 def run_offline(async_scheduling: bool) -> tuple[list, list]:
-    engine = EngineCore(config(async_scheduling))
+    engine = make_engine_core(config(async_scheduling))
     schedules, outputs = record(engine), []
     for request in requests():
         engine.add_request(request)
@@ -63,7 +64,8 @@ def run_busy_loop_steps(async_scheduling: bool) -> tuple[list, list]:
     """EngineCoreProc's step coroutines on an engine built without sockets (EngineCore's own
     construction): what they send is what they would send to the frontend."""
     engine = EngineCoreProc.__new__(EngineCoreProc)
-    EngineCore.__init__(engine, config(async_scheduling))
+    c = config(async_scheduling)
+    EngineCore.__init__(engine, c, build_components(c))
     schedules, outputs = record(engine), []
     engine._send = lambda step_outputs=None, **_: outputs.append(outputs_of(step_outputs or []))
     step = (engine._process_batch_queue_step if engine.batch_queue_size > 1

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from minicore.config import CacheConfig, EngineConfig, SchedulerConfig, create_engine_config
+from minicore.engine.components import make_engine_core
 from minicore.engine.core import EngineCore
 from minicore.kv_transfer.base import KVConnectorRole
 from minicore.kv_transfer.config import KVTransferConfig
@@ -199,7 +200,7 @@ def test_a_prefill_that_stops_early_or_is_aborted_holds_nothing():
 
 
 def fake_engine(timeout_s: float) -> EngineCore:
-    return EngineCore(create_engine_config(
+    return make_engine_core(create_engine_config(
         runner="simulated", block_size=BLOCK_SIZE, max_model_len=64,
         kv_transfer_config=KVTransferConfig(
             "FakeNixlConnector", "kv_producer", "P", {"abort_request_timeout": timeout_s},

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from minicore.config import create_engine_config
-from minicore.engine.core import EngineCore
+from minicore.engine.components import make_engine_core
 from minicore.engine.input_processor import InputProcessor, InvalidRequestError
 from minicore.kv_transfer.base import KVConnectorRole
 from minicore.kv_transfer.config import KVTransferConfig
@@ -166,7 +166,7 @@ def fake_nixl_kv_config() -> KVTransferConfig:
 
 def test_the_engine_refuses_them_alone_and_serves_on():
     """Straight to EngineCore.add_request, as a frontend that checked nothing would send them."""
-    engine = EngineCore(create_engine_config(runner="simulated", block_size=BLOCK_SIZE,
+    engine = make_engine_core(create_engine_config(runner="simulated", block_size=BLOCK_SIZE,
                                              max_model_len=64,
                                              kv_transfer_config=fake_nixl_kv_config()))
     engine.add_request(make_request("beside", PROMPT, max_tokens=5))

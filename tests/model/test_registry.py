@@ -12,7 +12,7 @@ import pytest
 
 import minicore.__main__ as cli
 from minicore.config import create_engine_config
-from minicore.engine.core import EngineCore
+from minicore.engine.components import make_engine_core
 from minicore.model.config import ModelRunnerKind
 from minicore.model.registry import MODEL_RUNNERS, RunnerInfo, runner_info
 from minicore.model.runner_base import ModelRunnerBase
@@ -78,7 +78,8 @@ def test_an_unknown_runner_is_refused_naming_the_choices():
 
 
 def test_the_engine_reads_capabilities_not_names(counting):
-    engine = EngineCore(create_engine_config(runner=counting, max_model_len=64, num_blocks=64))
+    engine = make_engine_core(create_engine_config(runner=counting, max_model_len=64,
+                                                   num_blocks=64))
     assert isinstance(engine.model_runner, CountingRunner)  # built without weights
     for name in ("logprobs", "prompt_logprobs"):
         request = Request("r", [5, 6], SamplingParams(**{name: 1}))

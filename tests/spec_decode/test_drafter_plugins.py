@@ -13,7 +13,7 @@ import pytest
 
 import minicore.spec_decode
 from minicore.config import EngineConfig
-from minicore.scheduler.spec_decode import DraftTokenIds
+from minicore.scheduler.interfaces import DraftTokenIds
 from minicore.spec_decode.config import SpeculativeConfig
 from minicore.spec_decode.drafter import Drafter, NoDrafter, drafters, make_drafter
 from minicore.spec_decode.ngram_proposer import NgramProposer

@@ -1,0 +1,153 @@
+"""The composition root: from an EngineConfig, every component the engine core runs with.
+
+The one place that reads a feature's config and picks its component: the model runner (by
+--runner, minicore/model/registry.py), the KV connectors' two sides, the structured output
+manager, the scheduler's own components (drafts, async scheduling's placeholders, the balance
+gate), the drafter and the step function's batch queue. EngineCore (minicore/engine/core.py) takes
+the result and imports none of these packages; a new feature adds its files and a line here, not a
+parameter to the core's constructors. vLLM makes the same split at one level: EngineCore takes
+the executor class that Executor.get_class(vllm_config) chose (vllm/v1/executor/abstract.py).
+For a DP rank (dp_group given) the root also checks the rank's config against its peers' and
+shards an MoE model's experts over the ranks before the runner exists.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from minicore.config import EngineConfig, SchedulerConfig
+from minicore.engine.core import EngineCore
+from minicore.engine.input_processor import validate_prompt_token_ids, validate_sampling_params
+from minicore.kv_transfer.base import KVConnectorBase_V1
+from minicore.kv_transfer.worker import KVConnectors, bind_kv_connectors
+from minicore.model.registry import RunnerInfo, runner_info
+from minicore.model.runner_base import ModelRunnerInterface
+from minicore.request import Request
+from minicore.scheduler import BalanceScheduler, Scheduler
+from minicore.scheduler.async_scheduler import OutputPlaceholders
+from minicore.scheduler.interfaces import NO_STRUCTURED_OUTPUT
+from minicore.scheduler.spec_decode import SpecDecode
+from minicore.spec_decode.config import SpeculativeConfig
+from minicore.spec_decode.drafter import Drafter, make_drafter
+from minicore.structured_output.manager import make_structured_output_manager
+
+
+@dataclass(slots=True)
+class EngineComponents:
+    """What EngineCore runs with: each a do-nothing default where its feature is off."""
+    runner_info: RunnerInfo
+    model_runner: ModelRunnerInterface
+    kv_connectors: KVConnectors
+    # Compiles grammars off the loop, masks and advances them (RefusedStructuredOutput where
+    # structured outputs cannot run).
+    structured_output_manager: object
+    scheduler: Scheduler
+    # Proposes each request's drafts after a step (NoDrafter without --speculative-config).
+    drafter: Drafter
+    # 2 with async scheduling (a step runs while the next is scheduled), else 1.
+    batch_queue_size: int
+    # Raises ValueError for a request the model cannot run, before it is scheduled.
+    check_request: Callable[[Request], None]
+
+
+def build_components(config: EngineConfig, model=None, tokenizer=None,
+                     dp_group=None) -> EngineComponents:
+    """model/tokenizer: an already loaded transformers model and its tokenizer; by default they
+    are loaded from config.model_config (a runner that needs no weights, the simulated one, loads
+    neither, nor imports torch). dp_group: a DP rank's DPGroup (minicore/dp/group.py)."""
+    prepare_model = _prepare_dp_rank(config, dp_group) if dp_group is not None else None
+    info = runner_info(config.model_config.runner)
+    model_runner = _make_model_runner(config, info, model, tokenizer, prepare_model)
+    # A runner without a device (the simulated one) counts as a CPU one.
+    async_scheduling = config.resolve_async_scheduling(
+        getattr(getattr(model_runner, "device", None), "type", "cpu"))
+    # The one place num_blocks is set at run time: the runner has sized the KV cache.
+    config.cache_config.num_blocks = model_runner.num_blocks
+    _check_kv_cache_fits(config)
+    kv_connectors = bind_kv_connectors(config, model_runner)
+    so_manager = make_structured_output_manager(config, model_runner, info.has_logits)
+    scheduler = make_scheduler(config, kv_connectors.scheduler_side, so_manager.scheduler_side)
+
+    def check_request(request: Request) -> None:
+        validate_prompt_token_ids(request.prompt_token_ids, model_runner.vocab_size,
+                                  config.scheduler_config.max_model_len)
+        validate_sampling_params(request.sampling_params, model_runner.vocab_size,
+                                 config.model_config.max_logprobs, info.has_logits)
+        scheduler.remote_kv.validate_request(request)
+        so_manager.grammar_init(request)
+
+    return EngineComponents(info, model_runner, kv_connectors, so_manager, scheduler,
+                            make_drafter(config), 2 if async_scheduling else 1, check_request)
+
+
+def make_engine_core(config: EngineConfig, model=None, tokenizer=None) -> EngineCore:
+    """An in-process EngineCore (the offline LLM's), with the components config chooses."""
+    return EngineCore(config, build_components(config, model, tokenizer))
+
+
+def make_scheduler(config: EngineConfig, connector: KVConnectorBase_V1 | None = None,
+                   structured_output_manager=NO_STRUCTURED_OUTPUT) -> Scheduler:
+    """The scheduler: BalanceScheduler with the balance gate, with its components."""
+    sc = config.scheduler_config
+    cls, gate = ((BalanceScheduler, {"dp_size": config.parallel_config.data_parallel_size})
+                 if sc.balance_scheduling else (Scheduler, {}))
+    return cls(sc, config.cache_config, connector, structured_output_manager,
+               **scheduler_components(sc, config.speculative_config), **gate)
+
+
+def scheduler_components(scheduler_config: SchedulerConfig,
+                         speculative_config: SpeculativeConfig | None) -> dict:
+    """The Scheduler's keyword arguments for the features that are on: drafts' bookkeeping and
+    async scheduling's placeholders (its defaults do nothing)."""
+    components = {}
+    if speculative_config is not None:
+        components["spec_decode"] = SpecDecode(speculative_config.num_speculative_tokens)
+    if scheduler_config.async_scheduling:
+        components["placeholders"] = OutputPlaceholders()
+    return components
+
+
+def load_model(config: EngineConfig):
+    """(model, tokenizer) from config.model_config."""
+    from minicore.model.loader import load_model
+
+    mc = config.model_config
+    return load_model(mc.model, dtype=mc.dtype, device=mc.device, tokenizer=mc.tokenizer)
+
+
+def _make_model_runner(config: EngineConfig, info: RunnerInfo, model, tokenizer, prepare_model):
+    runner_cls = info.load_class()
+    if not info.needs_weights:
+        return runner_cls(config)
+    if model is None:
+        model, tokenizer = load_model(config)
+    if prepare_model is not None:
+        # Before the runner exists: on CUDA its profiling forward already meets the peers.
+        model = prepare_model(model)
+    return runner_cls(config, model, tokenizer)
+
+
+def _prepare_dp_rank(config: EngineConfig, dp_group):
+    """A DP rank's first steps together, before its model loads: its config checked against its
+    peers' (ranks that differ would hang, or garble, what follows), then, with expert
+    parallelism, the expert-parallel group made; returns how to prepare the loaded model."""
+    # Imported here: a single engine needs neither torch.distributed nor the fingerprint.
+    from minicore.dp.fingerprint import check_dp_ranks_agree
+    from minicore.model.expert_parallel import make_expert_sharder
+
+    check_dp_ranks_agree(config, dp_group.all_gather_json)
+    return make_expert_sharder(config, dp_group.new_expert_parallel_group,
+                               config.parallel_config.data_parallel_rank)
+
+
+def _check_kv_cache_fits(config: EngineConfig) -> None:
+    """A cache that cannot hold one request of max_model_len would preempt such a request
+    forever."""
+    num_blocks, block_size = config.cache_config.num_blocks, config.cache_config.block_size
+    max_model_len = config.scheduler_config.max_model_len
+    needed = -(-max_model_len // block_size) + 1
+    if num_blocks < needed:
+        raise ValueError(
+            f"the KV cache has room for {num_blocks} blocks, but one request of max_model_len "
+            f"({max_model_len}) tokens needs {needed} (with the reserved null block); give the "
+            "cache more memory or lower max_model_len")
+
