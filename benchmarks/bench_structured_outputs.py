@@ -58,8 +58,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_spec_decode import cpu_description  # noqa: E402
 
 from minicore.llm import LLM  # noqa: E402
-from minicore.sampling_params import SamplingParams  # noqa: E402
-from minicore.structured_output.params import StructuredOutputsParams  # noqa: E402
+from minicore.sampling_params import (
+    SamplingParams,  # noqa: E402
+    StructuredOutputsParams,  # noqa: E402
+)
 
 CONCURRENCY = 16
 TEMPERATURE = 0.8

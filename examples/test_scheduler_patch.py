@@ -16,8 +16,9 @@ EOS = 2
 
 
 class WatermarkScheduler(Scheduler):
-    def __init__(self, scheduler_config, cache_config, connector=None, watermark: int = 4):
-        super().__init__(scheduler_config, cache_config, connector)
+    # The components (logprobs, drafts, ...) pass through: the composition root chooses them.
+    def __init__(self, *args, watermark: int = 4, **components):
+        super().__init__(*args, **components)
         self.watermark = watermark
 
     def _admission_gated(self) -> bool:

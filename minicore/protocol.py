@@ -1,7 +1,8 @@
 """Messages between the engine core and its clients, as msgspec Structs (msgpack on the wire).
 
 Mirrors vllm/v1/engine/__init__.py (EngineCoreRequest, EngineCoreRequestType, EngineCoreOutput,
-EngineCoreOutputs, UtilityOutput) and SchedulerStats from vllm/v1/metrics/stats.py. msgspec is
+EngineCoreOutputs, UtilityOutput), SchedulerStats from vllm/v1/metrics/stats.py and the
+SpecDecodingStats it carries (vllm/v1/spec_decode/metrics.py). msgspec is
 cheap to build, so the scheduler returns these records directly and nothing is converted before
 they are sent. Frames on the wire:
 
@@ -29,7 +30,6 @@ from typing import Any
 import msgspec
 
 from minicore.sampling_params import SamplingParams
-from minicore.spec_decode.metrics import SpecDecodingStats
 
 
 class FinishReason(enum.IntEnum):
@@ -137,6 +137,28 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class SpecDecodingStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Cumulative counters, on SchedulerStats (vLLM's are per step; the frontend sums them): drafts
+    verified, their tokens, those accepted, and those accepted at each draft position."""
+    num_spec_tokens: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = []
+
+    @classmethod
+    def new(cls, num_spec_tokens: int) -> "SpecDecodingStats":
+        return cls(num_spec_tokens, num_accepted_tokens_per_pos=[0] * num_spec_tokens)
+
+    def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        per_pos = self.num_accepted_tokens_per_pos
+        for i in range(num_accepted_tokens):
+            per_pos[i] += 1
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -2,20 +2,64 @@
 
 Mirrors vllm/sampling_params.py, keeping the parameters minicore implements: sampling, penalties,
 min-p, logit bias, allowed/bad words, logprobs, stop conditions, detokenization switches and
-structured outputs (StructuredOutputsParams, in minicore/structured_output/params.py; no beam
-search, extra_args or logits processors). Invalid values raise ValueError at
-construction (minicore/sampling_checks.py), before anything reaches the scheduler: the engine
-decodes the same class from the wire, so a request it receives has passed the same checks.
+structured outputs (StructuredOutputsParams, as in vLLM; its grammar checks are
+minicore/structured_output/params.py's; no beam search, extra_args or logits processors). Invalid
+values raise ValueError at construction (minicore/sampling_checks.py), before anything reaches
+the scheduler: the engine decodes the same class from the wire, so a request it receives has
+passed the same checks.
 kv_transfer_params (prefill/decode disaggregation) is a JSON
 object the KV connector reads; vLLM carries it in SamplingParams.extra_args["kv_transfer_params"],
 minicore has no extra_args and gives it a field of its own.
 """
 
+import json as json_module
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from minicore.sampling_checks import INT64_MIN, verify_sampling_params
-from minicore.structured_output.params import StructuredOutputsParams
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """One constraint on what a request may generate: a JSON schema (json, a dict or its JSON
+    text), any JSON object (json_object), a regex, one of some strings (choice) or an EBNF
+    grammar (xgrammar's dialect: a rule named root)."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # JSON without whitespace between its tokens (vLLM's; xgrammar's any_whitespace=False).
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        given = [k for k in KINDS if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar "
+                             f"and json_object, got {given or 'none'}")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice or
+                                        not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty "
+                             f"strings, got {self.choice!r}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) is not None)
+
+    def key(self) -> tuple[str, str]:
+        """(kind, spec): what a compiled grammar is cached under (vLLM's request key)."""
+        kind = self.kind
+        spec = getattr(self, kind)
+        if kind == "json":
+            spec = spec if isinstance(spec, str) else json_module.dumps(spec, sort_keys=True)
+        elif kind == "choice":
+            spec = json_module.dumps(spec)
+        elif kind == "json_object":
+            spec = ""
+        return f"{kind}{'' if not self.disable_any_whitespace else ':compact'}", spec
+
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass(slots=True)

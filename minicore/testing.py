@@ -64,7 +64,8 @@ def make_scheduler(*, cls: type[Scheduler] = Scheduler, **kwargs) -> Scheduler:
     component the composition root chooses, as async_scheduling='s."""
     sched = SchedulerConfig(**{**SCHEDULER_DEFAULTS, **_take(kwargs, SchedulerConfig)})
     cache = CacheConfig(**{**CACHE_DEFAULTS, **_take(kwargs, CacheConfig)})
-    components = scheduler_components(sched, kwargs.pop("speculative_config", None))
+    components = scheduler_components(sched, kwargs.pop("speculative_config", None),
+                                      has_logits=True)
     return cls(sched, cache, **components, **kwargs)
 
 

@@ -7,7 +7,7 @@ tests/dp/test_group.py."""
 import pytest
 
 from minicore.config import SchedulerConfig
-from minicore.scheduler import BalanceScheduler
+from minicore.scheduler.balance import BalanceScheduler
 from minicore.testing import make_request, make_scheduler, step
 
 

@@ -1,18 +1,31 @@
-"""The core stays small, read from the files: the DP engine core's reading path (its files and line
-counts, as docs/ARCHITECTURE.md lists them) stays within its budget; the scheduler's import
-closure, computed from the code, holds no feature package and stays within its own; and none of
-the five core files tests a feature outside the core in a step: optional features bind once, at
-construction, as components with do-nothing defaults."""
+"""The core stays small, measured from the code: what importing the core loads (its import closure,
+run in a fresh interpreter) is the reading path docs/ARCHITECTURE.md lists, within its budget; the
+scheduler's and the DP engine's closures hold no feature package and stay within theirs; and
+none of the five core files tests a feature outside the core in a step: optional features bind
+once, at construction, as components with do-nothing defaults (the composition root,
+minicore/engine/components.py, picks them)."""
 
 import ast
+import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
-READING_PATH_BUDGET = 2500
+# What a reader of one DP step opens: the scheduler, the engine core, its process and the DP loop,
+# and all they load as they are imported (the runner is the model side's, read after). The
+# budget is the measured closure's, not a declared table's (that one said 2,500, issue 40).
+CORE_MODULES = ("minicore.scheduler.scheduler", "minicore.engine.core",
+                "minicore.engine.core_proc", "minicore.dp.engine")
+READING_PATH_BUDGET = 3500
+# Issue 40's targets: 1,800 for the scheduler (see ARCHITECTURE.md's reading path for what is
+# left above it), 3,000 for the DP engine.
+SCHEDULER_CLOSURE_BUDGET = 2000
+DP_ENGINE_CLOSURE_BUDGET = 3000
 CORE_FILES = ("minicore/scheduler/scheduler.py", "minicore/engine/core.py",
               "minicore/engine/core_proc.py", "minicore/dp/engine.py", "minicore/model/runner.py")
 # Names that belong to features outside the core: the P/D connector, logprobs, the CPU kernels,
@@ -21,13 +34,10 @@ CORE_FILES = ("minicore/scheduler/scheduler.py", "minicore/engine/core.py",
 FEATURE_NAME = re.compile(r"connector|remote_kv|kv_transfer|logprob|simulat|lockstep|native|"
                           r"decode_kv|cpu|expert|ep_group|spec_|draft|structured|grammar|bitmask|"
                           r"fsm|placeholder|batch_queue|paus|balance", re.IGNORECASE)
-# What minicore.scheduler.scheduler may import, counted from the code (issue 40's target: 1,800
-# lines). Still in it: StructuredOutputsParams, a field of SamplingParams (vLLM keeps it in
-# vllm/sampling_params.py), and SpecDecodingStats, a field of SchedulerStats on the wire.
-SCHEDULER_CLOSURE_BUDGET = 2300
-SCHEDULER_CLOSURE_FEATURES = {"minicore.structured_output", "minicore.structured_output.params",
-                              "minicore.spec_decode", "minicore.spec_decode.metrics"}
-FEATURE_PACKAGES = ("minicore.config", "minicore.arg_utils", "minicore.engine", "minicore.dp",
+# The packages of the features, their configs and the composition root, which the core reaches
+# only through the components it is handed.
+FEATURE_PACKAGES = ("minicore.config", "minicore.arg_utils", "minicore.engine.components",
+                    "minicore.engine.arg_utils", "minicore.engine.input_processor",
                     "minicore.model", "minicore.kv_transfer", "minicore.spec_decode",
                     "minicore.structured_output", "minicore.entrypoints")
 # Where components are chosen and released; so are the functions called only from these.
@@ -44,6 +54,32 @@ KNOWN_FEATURE_TESTS = {
     "minicore/dp/engine.py": [],
     "minicore/model/runner.py": [],
 }
+_LOADED = """
+import json, sys
+from pathlib import Path
+root, packages = Path(sys.argv[1]).resolve(), {name.split(".")[0] for name in sys.argv[2:]}
+for name in sys.argv[2:]:
+    __import__(name)
+files = {name: Path(m.__file__).resolve() for name, m in sys.modules.items()
+         if name.split(".")[0] in packages and getattr(m, "__file__", None)}
+print(json.dumps({name: len(path.read_text().splitlines()) for name, path in files.items()
+                  if path.is_relative_to(root)}))
+"""
+
+
+def import_closure(*modules: str, root: Path = ROOT) -> dict[str, int]:
+    """{module: lines} of every module under root that importing modules loads, in a fresh
+    interpreter: package __init__ files and plug-ins a package imports by name included; what
+    is imported under TYPE_CHECKING or inside a function, not."""
+    out = subprocess.run([sys.executable, "-c", _LOADED, str(root), *modules], cwd=root,
+                         capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": str(root), "PATH": ""}).stdout
+    return json.loads(out)
+
+
+def module_path(root: Path, module: str) -> Path | None:
+    base = root.joinpath(*module.split("."))
+    return next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.exists()), None)
 
 
 def reading_path() -> dict[str, int]:
@@ -52,46 +88,6 @@ def reading_path() -> dict[str, int]:
     section = text.split("## Reading path", 1)[1].split("\n## ", 1)[0]
     return {path: int(lines) for path, lines in
             re.findall(r"^\| `(minicore/[\w/]+\.py)` \| (\d+) \|", section, re.MULTILINE)}
-
-
-def module_path(root: Path, module: str) -> Path | None:
-    base = root.joinpath(*module.split("."))
-    return next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.exists()), None)
-
-
-def module_imports(root: Path, source: str) -> list[str]:
-    """The modules a module's own body imports as it loads: not under TYPE_CHECKING, not inside
-    functions; `from package import name` counts name when it is a module."""
-    found, body = [], list(ast.parse(source).body)
-    while body:
-        node = body.pop(0)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
-            body += node.body + node.orelse
-        elif isinstance(node, ast.Try):
-            body += node.body + [n for handler in node.handlers for n in handler.body]
-        elif isinstance(node, ast.Import):
-            found += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            found.append(node.module)
-            found += [f"{node.module}.{alias.name}" for alias in node.names
-                      if module_path(root, f"{node.module}.{alias.name}")]
-    return found
-
-
-def import_closure(module: str, root: Path = ROOT) -> dict[str, int]:
-    """{module: lines} of every module of root's packages that importing module loads (its
-    packages' __init__ files included)."""
-    closure, todo = {}, [module]
-    while todo:
-        name = todo.pop()
-        if name in closure or (path := module_path(root, name)) is None:
-            continue
-        source = path.read_text()
-        closure[name] = len(source.splitlines())
-        parts = name.split(".")
-        todo += [".".join(parts[:i]) for i in range(1, len(parts))]
-        todo += module_imports(root, source)
-    return closure
 
 
 def _is_component_method(func: ast.AST) -> bool:
@@ -162,40 +158,43 @@ def feature_tests(source: str) -> list[str]:
     return found
 
 
-def test_the_reading_path_is_documented_with_its_true_line_counts():
-    documented = reading_path()
-    assert len(documented) >= 10, "the reading-path table of docs/ARCHITECTURE.md was not found"
-    actual = {path: len((ROOT / path).read_text().splitlines()) for path in documented}
-    assert documented == actual, "update the reading-path table in docs/ARCHITECTURE.md"
+@pytest.fixture(scope="module")
+def core_closure() -> dict[str, int]:
+    return import_closure(*CORE_MODULES)
 
 
-def test_the_reading_path_of_the_dp_engine_core_fits_its_budget():
-    documented = reading_path()
-    # The runner is the model side's: read after the engine core, not part of its budget.
-    assert set(CORE_FILES) - {"minicore/model/runner.py"} <= set(documented)
-    assert sum(documented.values()) <= READING_PATH_BUDGET
+def test_the_reading_path_is_the_core_closure_with_its_true_line_counts(core_closure):
+    """Every module importing the core loads, but package __init__ files, in the table."""
+    files = {str(module_path(ROOT, m).relative_to(ROOT)): n for m, n in core_closure.items()}
+    listed = {path: n for path, n in files.items() if not path.endswith("__init__.py")}
+    assert reading_path() == listed, "update the reading-path table in docs/ARCHITECTURE.md"
+    assert sum(core_closure.values()) <= READING_PATH_BUDGET
 
 
-def test_the_scheduler_imports_no_feature_and_fits_its_budget():
-    closure = import_closure("minicore.scheduler.scheduler")
-    features = {m for m in closure if m.startswith(FEATURE_PACKAGES)}
-    assert features == SCHEDULER_CLOSURE_FEATURES, sorted(features)
-    assert sum(closure.values()) <= SCHEDULER_CLOSURE_BUDGET, sorted(closure.items())
+@pytest.mark.parametrize(("module", "budget"), [
+    ("minicore.scheduler.scheduler", SCHEDULER_CLOSURE_BUDGET),
+    ("minicore.dp.engine", DP_ENGINE_CLOSURE_BUDGET)])
+def test_the_core_imports_no_feature_and_fits_its_budget(module, budget):
+    closure = import_closure(module)
+    assert not [m for m in closure if m.startswith(FEATURE_PACKAGES)]
+    assert sum(closure.values()) <= budget, sorted(closure.items())
 
 
-def test_the_closure_follows_what_a_module_loads(tmp_path):
-    # guard against a vacuous measure
+def test_the_measures_follow_what_a_module_loads(tmp_path):
+    # guard against a vacuous measure: a plug-in loaded by name counts, TYPE_CHECKING and a
+    # function's imports do not
     files = {"p/__init__.py": "from p import b\n",
-             "p/a.py": ("import p.c\nfrom typing import TYPE_CHECKING\n"
+             "p/a.py": ("import importlib\nimport p.c\nfrom typing import TYPE_CHECKING\n"
                         "if TYPE_CHECKING:\n    import p.d\n"
-                        "try:\n    from p import e\nexcept ImportError:\n    pass\n"
+                        "importlib.import_module('p.e')\n"
                         "def f():\n    import p.d\n"),
              "p/b.py": "x = 1\ny = 2\n", "p/c.py": "", "p/d.py": "",
-             "p/e.py": "from p.c import x\n"}
+             "p/e.py": "import p.c\n"}
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(text)
-    assert import_closure("p.a", tmp_path) == {"p.a": 10, "p": 1, "p.b": 2, "p.c": 0, "p.e": 1}
+    assert import_closure("p.a", root=tmp_path) == {"p": 1, "p.b": 2, "p.a": 8, "p.c": 0,
+                                                    "p.e": 1}
 
 
 @pytest.mark.parametrize("path", CORE_FILES)

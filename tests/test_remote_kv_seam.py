@@ -14,7 +14,8 @@ from minicore.kv_transfer.config import KVTransferConfig
 from minicore.kv_transfer.nixl import NixlConnector
 from minicore.kv_transfer.remote_kv import ConnectorRemoteKV
 from minicore.request import RequestStatus
-from minicore.scheduler import BalanceScheduler, Scheduler
+from minicore.scheduler import Scheduler
+from minicore.scheduler.balance import BalanceScheduler
 from minicore.scheduler.interfaces import NoRemoteKV
 from minicore.scheduler.output import KVConnectorOutput
 from minicore.testing import (

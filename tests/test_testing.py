@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from minicore.protocol import FinishReason
-from minicore.scheduler import BalanceScheduler, Scheduler
+from minicore.scheduler import Scheduler
+from minicore.scheduler.balance import BalanceScheduler
 from minicore.testing import (
     FAKE_TOKEN_BASE,
     block,

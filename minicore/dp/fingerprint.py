@@ -7,8 +7,9 @@ collectives would differ fail at startup instead of hanging. Here the factors ar
 so that a mismatch names the setting and both values, and they go beyond the parallel config:
 they are whatever the ranks' collectives, the balance gate and the answer to a request depend on.
 Each rank all-gathers its fingerprint over the DP group as soon as it has joined it
-(DPEngineCoreProc._init_data_parallel, for processes, headless ranks and Ray actors alike), and
-every rank raises the same one-line ValueError on the first difference, before any model loads.
+(the composition root, minicore/engine/components.py, for processes, headless ranks and Ray
+actors alike), and every rank raises the same one-line ValueError on the first difference, before
+any model loads.
 
 Not compared, as each rank may legitimately choose its own: its KV cache size (--kv-cache-memory,
 --gpu-memory-utilization, hence its number of blocks: sized to its own device; the collectives

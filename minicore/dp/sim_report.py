@@ -25,7 +25,7 @@ from minicore.dp.simulator import (
     make_random_workload,
 )
 from minicore.engine.arg_utils import add_engine_cli_args
-from minicore.spec_decode.metrics import SpecDecodingStats
+from minicore.protocol import SpecDecodingStats
 
 THRESHOLDS = ("full", "one-short")
 # The engine settings a simulated rank has; every other engine flag is left out.

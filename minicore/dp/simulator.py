@@ -31,15 +31,16 @@ from dataclasses import dataclass, field
 
 from minicore.config import CacheConfig, SchedulerConfig
 from minicore.dp.wave import is_sync_step, runs_dummy_batch
+from minicore.engine.components import make_scheduler
+from minicore.protocol import SpecDecodingStats
 from minicore.request import Request
 from minicore.sampling_params import SamplingParams
-from minicore.scheduler.balance import BalanceScheduler
 from minicore.scheduler.interfaces import DraftTokenIds
 from minicore.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from minicore.scheduler.scheduler import Scheduler
 from minicore.spec_decode.config import SpeculativeConfig
 from minicore.spec_decode.drafter import decoding_requests
-from minicore.spec_decode.metrics import SpecDecodingStats, sum_spec_stats
+from minicore.spec_decode.metrics import sum_spec_stats
 
 
 @dataclass(slots=True)
@@ -124,13 +125,11 @@ class _Rank:
 
     def __init__(self, index: int, config: SimConfig):
         self.index = index
-        cls = BalanceScheduler if config.scheduler_config.balance_scheduling else Scheduler
-        kwargs = {"dp_size": config.data_parallel_size} if cls is BalanceScheduler else {}
-        if config.num_speculative_tokens:
-            # The scheduler reads only num_speculative_tokens; the drafts are made up here.
-            kwargs["speculative_config"] = SpeculativeConfig(
-                method="ngram", num_speculative_tokens=config.num_speculative_tokens)
-        self.scheduler = cls(config.scheduler_config, config.cache_config, **kwargs)
+        # The scheduler reads only num_speculative_tokens; the drafts are made up here.
+        spec = (SpeculativeConfig(method="ngram", num_speculative_tokens=k)
+                if (k := config.num_speculative_tokens) else None)
+        self.scheduler = make_scheduler(config.scheduler_config, config.cache_config, spec,
+                                        dp_size=config.data_parallel_size)
         # Sent to this rank, not yet taken in by its loop.
         self.on_the_way: list[Request] = []
 

@@ -14,7 +14,7 @@ shards an MoE model's experts over the ranks before the runner exists.
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from minicore.config import EngineConfig, SchedulerConfig
+from minicore.config import CacheConfig, EngineConfig, SchedulerConfig
 from minicore.engine.core import EngineCore
 from minicore.engine.input_processor import validate_prompt_token_ids, validate_sampling_params
 from minicore.kv_transfer.base import KVConnectorBase_V1
@@ -22,9 +22,11 @@ from minicore.kv_transfer.worker import KVConnectors, bind_kv_connectors
 from minicore.model.registry import RunnerInfo, runner_info
 from minicore.model.runner_base import ModelRunnerInterface
 from minicore.request import Request
-from minicore.scheduler import BalanceScheduler, Scheduler
+from minicore.scheduler import Scheduler
 from minicore.scheduler.async_scheduler import OutputPlaceholders
+from minicore.scheduler.balance import BalanceScheduler
 from minicore.scheduler.interfaces import NO_STRUCTURED_OUTPUT
+from minicore.scheduler.logprobs import Logprobs
 from minicore.scheduler.spec_decode import SpecDecode
 from minicore.spec_decode.config import SpeculativeConfig
 from minicore.spec_decode.drafter import Drafter, make_drafter
@@ -65,7 +67,10 @@ def build_components(config: EngineConfig, model=None, tokenizer=None,
     _check_kv_cache_fits(config)
     kv_connectors = bind_kv_connectors(config, model_runner)
     so_manager = make_structured_output_manager(config, model_runner, info.has_logits)
-    scheduler = make_scheduler(config, kv_connectors.scheduler_side, so_manager.scheduler_side)
+    scheduler = make_scheduler(
+        config.scheduler_config, config.cache_config, config.speculative_config,
+        dp_size=config.parallel_config.data_parallel_size, has_logits=info.has_logits,
+        connector=kv_connectors.scheduler_side, structured_output_manager=so_manager.scheduler_side)
 
     def check_request(request: Request) -> None:
         validate_prompt_token_ids(request.prompt_token_ids, model_runner.vocab_size,
@@ -84,21 +89,23 @@ def make_engine_core(config: EngineConfig, model=None, tokenizer=None) -> Engine
     return EngineCore(config, build_components(config, model, tokenizer))
 
 
-def make_scheduler(config: EngineConfig, connector: KVConnectorBase_V1 | None = None,
+def make_scheduler(scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                   speculative_config: SpeculativeConfig | None = None, *, dp_size: int = 1,
+                   has_logits: bool = False, connector: KVConnectorBase_V1 | None = None,
                    structured_output_manager=NO_STRUCTURED_OUTPUT) -> Scheduler:
-    """The scheduler: BalanceScheduler with the balance gate, with its components."""
-    sc = config.scheduler_config
-    cls, gate = ((BalanceScheduler, {"dp_size": config.parallel_config.data_parallel_size})
-                 if sc.balance_scheduling else (Scheduler, {}))
-    return cls(sc, config.cache_config, connector, structured_output_manager,
-               **scheduler_components(sc, config.speculative_config), **gate)
+    """The scheduler (BalanceScheduler with the balance gate) with its components."""
+    cls, gate = ((BalanceScheduler, {"dp_size": dp_size})
+                 if scheduler_config.balance_scheduling else (Scheduler, {}))
+    return cls(scheduler_config, cache_config, connector, structured_output_manager,
+               **scheduler_components(scheduler_config, speculative_config, has_logits), **gate)
 
 
 def scheduler_components(scheduler_config: SchedulerConfig,
-                         speculative_config: SpeculativeConfig | None) -> dict:
-    """The Scheduler's keyword arguments for the features that are on: drafts' bookkeeping and
-    async scheduling's placeholders (its defaults do nothing)."""
-    components = {}
+                         speculative_config: SpeculativeConfig | None, has_logits: bool) -> dict:
+    """The Scheduler's keyword arguments for the features that are on: drafts' bookkeeping, async
+    scheduling's placeholders and, for a runner with logits, logprobs (its defaults do
+    nothing)."""
+    components: dict = {"logprobs": Logprobs()} if has_logits else {}
     if speculative_config is not None:
         components["spec_decode"] = SpecDecode(speculative_config.num_speculative_tokens)
     if scheduler_config.async_scheduling:

@@ -50,8 +50,8 @@ from prometheus_client.process_collector import ProcessCollector
 from minicore.config import CacheConfig, EngineConfig
 from minicore.engine.output_processor import RequestState
 from minicore.entrypoints.spec_decode_metrics import SpecDecodingLogging, spec_decode_counters
-from minicore.protocol import FinishReason, SchedulerStats
-from minicore.spec_decode.metrics import SpecDecodingStats, sum_spec_stats
+from minicore.protocol import FinishReason, SchedulerStats, SpecDecodingStats
+from minicore.spec_decode.metrics import sum_spec_stats
 
 logger = logging.getLogger("minicore.stats")
 

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from minicore.entrypoints.openai_errors import OpenAIError
-from minicore.structured_output.params import StructuredOutputsParams
+from minicore.sampling_params import StructuredOutputsParams
 
 # vLLM 0.32's _REMOVED_GUIDED_FIELDS (vllm/entrypoints/serve/engine/protocol.py).
 REMOVED_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",

@@ -12,7 +12,8 @@ import logging
 
 from prometheus_client.core import CounterMetricFamily
 
-from minicore.spec_decode.metrics import SpecDecodingStats, add_spec_stats
+from minicore.protocol import SpecDecodingStats
+from minicore.spec_decode.metrics import add_spec_stats
 
 logger = logging.getLogger("minicore.stats")
 

@@ -35,8 +35,7 @@ from minicore.entrypoints.tool_records import (
     ToolCall,
     make_tool_call_id,
 )
-from minicore.sampling_params import SamplingParams
-from minicore.structured_output.params import StructuredOutputsParams
+from minicore.sampling_params import SamplingParams, StructuredOutputsParams
 
 # OpenAI's limits on a request's tools: a "required" tool choice compiles one grammar over all
 # of them (10,000 tools took the engine past 8 GB), and every name goes into the prompt.

@@ -9,6 +9,8 @@ a feature is on. A reader of the scheduler without features can stop here.
   minicore/scheduler/spec_decode.py); DraftTokenIds carries a drafter's proposals in.
 - NoPlaceholders, for async scheduling: the tokens of steps in flight (OutputPlaceholders,
   minicore/scheduler/async_scheduler.py).
+- NoLogprobs, for a runner without logits: the logprobs a step's outputs carry (Logprobs,
+  minicore/scheduler/logprobs.py).
 - NoStructuredOutput, for grammars: the wait for a compiled grammar, the step's bitmask and the
   matchers' advance (the managers of minicore/structured_output/manager.py).
 """
@@ -131,6 +133,13 @@ class NoPlaceholders:
         return requests
 
 
+class NoLogprobs:
+    def add(self, outputs: list[EngineCoreOutput], requests: dict[str, Request],
+            scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
+        """Give the step's outputs (in runner order) their logprobs, once per step, after they
+        are built. requests: Scheduler.requests, before this step's finished requests leave."""
+
+
 class NoStructuredOutput:
     def promote_compiled(self) -> None:
         pass
@@ -158,4 +167,5 @@ class NoStructuredOutput:
 NO_REMOTE_KV = NoRemoteKV()
 NO_SPEC_DECODE = NoSpecDecode()
 NO_PLACEHOLDERS = NoPlaceholders()
+NO_LOGPROBS = NoLogprobs()
 NO_STRUCTURED_OUTPUT = NoStructuredOutput()

@@ -3,30 +3,31 @@
 Mirrors the logprobs parts of Scheduler.update_from_output (vllm/v1/core/sched/scheduler.py): the
 sampled tokens' LogprobsLists ride on their output, a chunk of prompt logprobs rides on the
 request's output of the step that computed those positions, and a request mid-prefill, which
-samples nothing, gets an output carrying only its chunk. update_from_output calls add_logprobs
-once per step, after building the outputs; without logprobs in the runner output it returns at
-once. Left out: vLLM's num_nans_in_logits and the pooling outputs.
+samples nothing, gets an output carrying only its chunk. The composition root binds Logprobs for
+a runner with logits (NoLogprobs, minicore/scheduler/interfaces.py, for one without);
+update_from_output calls it once per step, after building the outputs. Left out: vLLM's
+num_nans_in_logits and the pooling outputs.
 """
 
 from minicore.protocol import EngineCoreOutput, LogprobsLists
 from minicore.request import Request
+from minicore.scheduler.interfaces import NoLogprobs
 from minicore.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 
-def add_logprobs(outputs: list[EngineCoreOutput], requests: dict[str, Request],
-                 scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
-    """Give the step's outputs (in runner order) their logprobs, adding an output for each request
-    mid-prefill with prompt logprobs not sent yet. requests: Scheduler.requests, before this
-    step's finished requests leave it."""
-    if runner_output.prompt_logprobs is not None:
-        _add_prompt_logprobs(outputs, requests, scheduler_output, runner_output)
-    if (logprobs := runner_output.logprobs) is not None:
-        for output in outputs:
-            # A stop inside a run of accepted drafts cut the tokens: cut their rows too.
-            if (rows := logprobs.get(output.request_id)) is not None:
-                num_tokens = len(output.new_token_ids)
-                output.new_logprobs = (rows if len(rows.sampled_token_ranks) == num_tokens
-                                       else rows.slice(0, num_tokens))
+class Logprobs(NoLogprobs):
+    def add(self, outputs: list[EngineCoreOutput], requests: dict[str, Request],
+            scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
+        """Also an output for each request mid-prefill with prompt logprobs not sent yet."""
+        if runner_output.prompt_logprobs is not None:
+            _add_prompt_logprobs(outputs, requests, scheduler_output, runner_output)
+        if (logprobs := runner_output.logprobs) is not None:
+            for output in outputs:
+                # A stop inside a run of accepted drafts cut the tokens: cut their rows too.
+                if (rows := logprobs.get(output.request_id)) is not None:
+                    num_tokens = len(output.new_token_ids)
+                    output.new_logprobs = (rows if len(rows.sampled_token_ranks) == num_tokens
+                                           else rows.slice(0, num_tokens))
 
 
 def _add_prompt_logprobs(outputs: list[EngineCoreOutput], requests: dict[str, Request],

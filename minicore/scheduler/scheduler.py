@@ -9,9 +9,9 @@ scheduled in the same step leaves no never-computed block in the prefix cache (v
 their hashes registered), and finish_requests frees in the order given (vLLM: set order).
 Features outside the core bind once, at construction, as components whose seams and do-nothing
 defaults are interfaces.py's (the KV connector, drafts, async scheduling's placeholders,
-structured outputs; the composition root, minicore/engine/components.py, picks the real ones),
-beside the scheduling policy (policies/), BalanceScheduler's gate (balance.py) and logprobs
-(logprobs.py). The engine's
+logprobs, structured outputs; the composition root, minicore/engine/components.py, picks the
+real ones), beside the scheduling policy (policies/) and BalanceScheduler's gate (balance.py).
+The engine's
 pause (vLLM's PauseState.PAUSED_ALL) is a gate engine/control.py binds over has_requests and
 has_unfinished_requests. Left out: encoders, LoRA.
 """
@@ -23,16 +23,17 @@ from typing import TYPE_CHECKING
 from minicore.protocol import EngineCoreEvent, EngineCoreEventType, EngineCoreOutput, SchedulerStats
 from minicore.request import Request, RequestStatus
 from minicore.scheduler.interfaces import (
+    NO_LOGPROBS,
     NO_PLACEHOLDERS,
     NO_REMOTE_KV,
     NO_SPEC_DECODE,
     NO_STRUCTURED_OUTPUT,
     DraftTokenIds,
+    NoLogprobs,
     NoPlaceholders,
     NoSpecDecode,
 )
 from minicore.scheduler.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from minicore.scheduler.logprobs import add_logprobs
 from minicore.scheduler.output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -73,9 +74,10 @@ class Scheduler:
                  connector: "KVConnectorBase_V1 | None" = None,
                  structured_output_manager=NO_STRUCTURED_OUTPUT, *,
                  spec_decode: NoSpecDecode = NO_SPEC_DECODE,
-                 placeholders: NoPlaceholders = NO_PLACEHOLDERS):
+                 placeholders: NoPlaceholders = NO_PLACEHOLDERS,
+                 logprobs: NoLogprobs = NO_LOGPROBS):
         """The components (a KV connector's scheduler side, the structured output manager's,
-        drafts', async scheduling's placeholders) are chosen by the composition root
+        drafts', async scheduling's placeholders, logprobs) are chosen by the composition root
         (minicore/engine/components.py); each defaults to doing nothing."""
         if cache_config.num_blocks is None:
             raise ValueError("cache_config.num_blocks must be set before building a Scheduler")
@@ -97,6 +99,7 @@ class Scheduler:
                           connector.make_remote_kv(self.kv_cache_manager, scheduler_config))
         self.spec_decode = spec_decode
         self.placeholders = placeholders
+        self.logprobs = logprobs
         self.structured_output_manager = structured_output_manager
 
     # ---- requests in and out -------------------------------------------------------------------
@@ -362,7 +365,7 @@ class Scheduler:
         finished: list[tuple[Request, RequestStatus, EngineCoreOutput]] = []
         for req_id, index in model_runner_output.req_id_to_index.items():
             new_token_ids = sampled_token_ids[index]
-            # Mid-prefill requests sample nothing (add_logprobs may give them an output).
+            # Mid-prefill requests sample nothing (the logprobs component may give them an output).
             if not new_token_ids or (request := requests.get(req_id)) is None:
                 continue
             status = None
@@ -379,7 +382,7 @@ class Scheduler:
             outputs.append(output)
             if status:
                 finished.append((request, status, output))
-        add_logprobs(outputs, requests, scheduler_output, model_runner_output)
+        self.logprobs.add(outputs, requests, scheduler_output, model_runner_output)
         # Requests a component ends with an error, their outputs already in outputs.
         ended = self.structured_output_manager.accept_tokens(outputs, requests)
         if finished:

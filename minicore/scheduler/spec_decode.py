@@ -13,10 +13,10 @@ Left out: lookahead slots, which vLLM allocates only for proposers that write KV
 (EAGLE, MTP; num_lookahead_tokens is 0 for ngram), and the structured-output check of drafts.
 """
 
+from minicore.protocol import SpecDecodingStats
 from minicore.request import Request
 from minicore.scheduler.interfaces import DraftTokenIds, NoSpecDecode
 from minicore.scheduler.output import ModelRunnerOutput, SchedulerOutput
-from minicore.spec_decode.metrics import SpecDecodingStats
 
 
 class SpecDecode(NoSpecDecode):

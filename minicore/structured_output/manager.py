@@ -25,10 +25,11 @@ from dataclasses import dataclass
 
 from minicore.protocol import EngineCoreOutput
 from minicore.request import FinishReason, Request, RequestStatus
+from minicore.sampling_params import StructuredOutputsParams
 from minicore.scheduler.interfaces import NO_STRUCTURED_OUTPUT
 from minicore.scheduler.output import SchedulerOutput
 from minicore.scheduler.structured_output import SkipsUncompiled
-from minicore.structured_output.params import StructuredOutputsParams, build_grammar
+from minicore.structured_output.params import build_grammar
 
 logger = logging.getLogger(__name__)
 

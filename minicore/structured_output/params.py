@@ -1,57 +1,16 @@
-"""StructuredOutputsParams: the constraint a request's output must follow, and its check.
+"""A structured-output constraint's checks and grammar: what the frontend refuses, and the EBNF an
+xgrammar compiler takes.
 
-Mirrors StructuredOutputsParams in vllm/sampling_params.py and the frontend's grammar checks of
-vllm/v1/structured_output/backend_xgrammar.py (validate_xgrammar_grammar). Pure Python until a
-check runs: validate_structured_outputs imports xgrammar then, so that the scheduler package,
-which imports SamplingParams, stays free of it. Left out: structural tags, whitespace patterns,
+The constraint itself, StructuredOutputsParams, is minicore/sampling_params.py's, as in vLLM.
+Mirrors the frontend's grammar checks of vllm/v1/structured_output/backend_xgrammar.py
+(validate_xgrammar_grammar). Pure Python until a check runs: validate_structured_outputs imports
+xgrammar then. Left out: structural tags, whitespace patterns,
 disable_additional_properties, the backend fallback and a timeout on compiling a regex.
 """
 
 import json as json_module
-from dataclasses import dataclass
 
-
-@dataclass(slots=True)
-class StructuredOutputsParams:
-    """One constraint on what a request may generate: a JSON schema (json, a dict or its JSON
-    text), any JSON object (json_object), a regex, one of some strings (choice) or an EBNF
-    grammar (xgrammar's dialect: a rule named root)."""
-    json: str | dict | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    # JSON without whitespace between its tokens (vLLM's; xgrammar's any_whitespace=False).
-    disable_any_whitespace: bool = False
-
-    def __post_init__(self):
-        given = [k for k in KINDS if getattr(self, k) is not None]
-        if len(given) != 1:
-            raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar "
-                             f"and json_object, got {given or 'none'}")
-        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice or
-                                        not all(isinstance(c, str) and c for c in self.choice)):
-            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty "
-                             f"strings, got {self.choice!r}")
-
-    @property
-    def kind(self) -> str:
-        return next(k for k in KINDS if getattr(self, k) is not None)
-
-    def key(self) -> tuple[str, str]:
-        """(kind, spec): what a compiled grammar is cached under (vLLM's request key)."""
-        kind = self.kind
-        spec = getattr(self, kind)
-        if kind == "json":
-            spec = spec if isinstance(spec, str) else json_module.dumps(spec, sort_keys=True)
-        elif kind == "choice":
-            spec = json_module.dumps(spec)
-        elif kind == "json_object":
-            spec = ""
-        return f"{kind}{'' if not self.disable_any_whitespace else ':compact'}", spec
-
-
-KINDS = ("json", "regex", "choice", "grammar", "json_object")
+from minicore.sampling_params import StructuredOutputsParams
 
 
 def choice_grammar(choices: list[str]) -> str:

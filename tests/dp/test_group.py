@@ -20,7 +20,7 @@ from minicore.dp.group import DPGroup
 from minicore.engine.async_llm import AsyncLLM
 from minicore.request import Request
 from minicore.sampling_params import SamplingParams
-from minicore.scheduler import BalanceScheduler
+from minicore.scheduler.balance import BalanceScheduler
 
 
 def _rank_main(rank: int, size: int, port: int, results) -> None:

@@ -14,8 +14,7 @@ from dp_helpers import assert_all_engines_idle, dp_client, free_port_pair, wait_
 
 from minicore.config import create_engine_config
 from minicore.llm import LLM
-from minicore.sampling_params import SamplingParams
-from minicore.structured_output.params import StructuredOutputsParams
+from minicore.sampling_params import SamplingParams, StructuredOutputsParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -19,7 +19,8 @@ from minicore.entrypoints.openai_protocol import (
     OpenAIError,
 )
 from minicore.entrypoints.response_format import REMOVED_GUIDED_FIELDS
-from minicore.structured_output.params import MAX_JSON_NESTING, StructuredOutputsParams
+from minicore.sampling_params import StructuredOutputsParams
+from minicore.structured_output.params import MAX_JSON_NESTING
 
 MODEL = "SmolLM2-135M-Instruct"
 # Bounded values, so that the small model's output ends well within max_tokens.

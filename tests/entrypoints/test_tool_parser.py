@@ -22,7 +22,8 @@ from minicore.entrypoints.tool_parsers import (
 )
 from minicore.entrypoints.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
 from minicore.model.loader import load_tokenizer, resolve_model_dir
-from minicore.structured_output.params import StructuredOutputsParams, build_grammar
+from minicore.sampling_params import StructuredOutputsParams
+from minicore.structured_output.params import build_grammar
 
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "enum": ["Paris", "Rome"]},

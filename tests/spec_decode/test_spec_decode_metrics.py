@@ -11,8 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from minicore.config import create_engine_config
 from minicore.entrypoints.metrics import ServerMetrics, StatsLogger, sum_stats
-from minicore.protocol import SchedulerStats
-from minicore.spec_decode.metrics import SpecDecodingStats
+from minicore.protocol import SchedulerStats, SpecDecodingStats
 
 MODEL = "m"
 SPEC = {"method": "ngram", "num_speculative_tokens": 3}

@@ -12,14 +12,13 @@ import pytest
 
 from minicore.llm import LLM
 from minicore.request import Request
-from minicore.sampling_params import SamplingParams
+from minicore.sampling_params import SamplingParams, StructuredOutputsParams
 from minicore.structured_output.manager import (
     SMALL_GRAMMAR_CHARS,
     StructuredOutputManager,
     _make_compiler,
     cache_limit_mb,
 )
-from minicore.structured_output.params import StructuredOutputsParams
 
 pytestmark = pytest.mark.model
 

@@ -5,9 +5,9 @@ engine's config refuses what minicore does not have by name."""
 import pytest
 
 from minicore.config import create_engine_config
+from minicore.sampling_params import StructuredOutputsParams
 from minicore.structured_output.params import (
     MAX_JSON_NESTING,
-    StructuredOutputsParams,
     choice_grammar,
     validate_structured_outputs,
 )

@@ -15,8 +15,7 @@ from minicore.engine.core import EngineCore
 from minicore.engine.input_processor import InvalidRequestError
 from minicore.llm import LLM
 from minicore.request import FinishReason, Request, RequestStatus
-from minicore.sampling_params import SamplingParams
-from minicore.structured_output.params import StructuredOutputsParams
+from minicore.sampling_params import SamplingParams, StructuredOutputsParams
 
 pytestmark = pytest.mark.model
 
