@@ -108,7 +108,7 @@ def run_period(num_requests: int, steps: int, step_s: float, on: bool) -> dict:
     ran = sum(step(engine, tokens) for _ in range(steps))
     elapsed = time.perf_counter() - start
     timed = list(forwards)  # the timed steps' forwards, not the drain's
-    while engine.scheduler.has_requests() or engine.batch_queue:
+    while engine.scheduler.has_requests() or engine.batch_queue.has_pending():
         step(engine, tokens)
     engine.shutdown()
     return {"period_s": elapsed / ran, "forward_s": sum(w for w, _ in timed) / len(timed),

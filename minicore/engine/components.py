@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from minicore.config import CacheConfig, EngineConfig, SchedulerConfig
+from minicore.engine.batch_queue import BatchQueue
 from minicore.engine.core import EngineCore
 from minicore.engine.input_processor import validate_prompt_token_ids, validate_sampling_params
 from minicore.kv_transfer.base import KVConnectorBase_V1
@@ -45,8 +46,8 @@ class EngineComponents:
     scheduler: Scheduler
     # Proposes each request's drafts after a step (NoDrafter without --speculative-config).
     drafter: Drafter
-    # 2 with async scheduling (a step runs while the next is scheduled), else 1.
-    batch_queue_size: int
+    # Of size 2 with async scheduling (a step runs while the next is scheduled), else 1.
+    batch_queue: BatchQueue
     # Raises ValueError for a request the model cannot run, before it is scheduled.
     check_request: Callable[[Request], None]
 
@@ -81,7 +82,8 @@ def build_components(config: EngineConfig, model=None, tokenizer=None,
         so_manager.grammar_init(request)
 
     return EngineComponents(info, model_runner, kv_connectors, so_manager, scheduler,
-                            make_drafter(config), 2 if async_scheduling else 1, check_request)
+                            make_drafter(config), BatchQueue(2 if async_scheduling else 1),
+                            check_request)
 
 
 def make_engine_core(config: EngineConfig, model=None, tokenizer=None) -> EngineCore:

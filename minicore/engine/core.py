@@ -17,8 +17,7 @@ the executor layer (one in-process runner on one thread), LoRA.
 """
 
 import logging
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from minicore.engine.control import EngineControl
@@ -28,7 +27,6 @@ from minicore.request import Request, RequestStatus
 if TYPE_CHECKING:
     from minicore.config import EngineConfig
     from minicore.engine.components import EngineComponents
-    from minicore.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +45,9 @@ class EngineCore(EngineControl):
         self._check_request = components.check_request
         # The forward's one thread, started on first use: the model's thread-local state stays put.
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="EngineCore-forward")
-        # Steps submitted and not yet updated from, newest first (vLLM: batch_queue).
-        self.batch_queue: deque[tuple[Future, SchedulerOutput]] = deque()
-        self.batch_queue_size = components.batch_queue_size
-        self.step_fn = self.step_with_batch_queue if self.batch_queue_size > 1 else self.step
+        # Steps submitted and not yet updated from (vLLM: batch_queue).
+        self.batch_queue = components.batch_queue
+        self.step_fn = self.step_with_batch_queue if self.batch_queue.size > 1 else self.step
 
     def add_request(self, request: Request) -> None:
         """ValueError for a request the model cannot run; nothing is scheduled then."""
@@ -74,7 +71,7 @@ class EngineCore(EngineControl):
         step and update from it. Returns its outputs ([] if none was waited for) and whether the
         new step runs the model."""
         executed = self._submit_next_batch()
-        if (batch := self._batch_to_finish(executed)) is None:
+        if (batch := self.batch_queue.take_finished(executed)) is None:
             return [], executed
         future, scheduler_output = batch
         return self.update_from_output(scheduler_output, future.result()), executed
@@ -85,17 +82,8 @@ class EngineCore(EngineControl):
             return False
         scheduler_output = self.scheduler.schedule()
         future = self.executor.submit(self.execute_model, scheduler_output)
-        self.batch_queue.appendleft((future, scheduler_output))
+        self.batch_queue.push(future, scheduler_output)
         return scheduler_output.total_num_scheduled_tokens > 0
-
-    def _batch_to_finish(self, executed: bool) -> "tuple[Future, SchedulerOutput] | None":
-        """The oldest step, to wait for now; None while the queue has room and the oldest still
-        runs after a step that runs the model went in (vLLM's rule)."""
-        queue = self.batch_queue
-        if not queue or (executed and len(queue) < self.batch_queue_size
-                         and not queue[-1][0].done()):
-            return None
-        return queue.pop()
 
     def update_from_output(self, scheduler_output, model_output) -> list[EngineCoreOutput]:
         """The scheduler's update, then the drafts of the next step (vLLM: post_step)."""

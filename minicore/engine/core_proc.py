@@ -93,7 +93,7 @@ class EngineCoreProc(ProcControl, EngineCore):
         self._last_stats = None
         self.num_received_requests = 0
         # Bound once, as EngineCore.step_fn: one step at a time, or two with the batch queue.
-        if self.batch_queue_size > 1:
+        if self.batch_queue.size > 1:
             self._process_engine_step = self._process_batch_queue_step
 
     def _init_data_parallel(self, config: "EngineConfig") -> None:
@@ -260,7 +260,7 @@ class EngineCoreProc(ProcControl, EngineCore):
 
     def has_work(self) -> bool:
         """Steps to take: the scheduler's requests, or steps in flight to update from."""
-        return self.scheduler.has_requests() or bool(self.batch_queue)
+        return self.scheduler.has_requests() or self.batch_queue.has_pending()
 
     async def _process_input_queue(self, must_wait: bool) -> None:
         while must_wait or not self.has_work():
@@ -309,7 +309,7 @@ class EngineCoreProc(ProcControl, EngineCore):
         otherwise wait for input."""
         while True:
             executed = self._submit_next_batch()
-            if (batch := self._batch_to_finish(executed)) is None:
+            if (batch := self.batch_queue.take_finished(executed)) is None:
                 return executed
             future, scheduler_output = batch
             model_output = await asyncio.wrap_future(future)

@@ -42,7 +42,7 @@ def llms(hf_model_and_tokenizer) -> dict[bool, LLM]:
 
 
 def test_the_async_engine_runs_the_batch_queue(llms):
-    assert llms[True].llm_engine.batch_queue_size == 2
+    assert llms[True].llm_engine.batch_queue.size == 2
     assert llms[True].llm_engine.step_fn == llms[True].llm_engine.step_with_batch_queue
     assert llms[False].llm_engine.step_fn == llms[False].llm_engine.step
 
@@ -101,7 +101,7 @@ def test_an_abort_with_a_step_in_flight_gives_no_output_and_frees_its_blocks(
 
     for _ in range(4):
         step()
-    assert engine.batch_queue  # a step that runs a and b is in flight
+    assert engine.batch_queue.has_pending()  # a step that runs a and b is in flight
     engine.abort_requests(["a"])
     num_a = len(tokens["a"])
     while engine.scheduler.has_unfinished_requests():

@@ -52,7 +52,7 @@ def run_offline(async_scheduling: bool) -> tuple[list, list]:
     for request in requests():
         engine.add_request(request)
     try:
-        while engine.scheduler.has_requests() or engine.batch_queue:
+        while engine.scheduler.has_requests() or engine.batch_queue.has_pending():
             step_outputs, _ = engine.step_fn()
             outputs.append(outputs_of(step_outputs))
     finally:
@@ -68,7 +68,7 @@ def run_busy_loop_steps(async_scheduling: bool) -> tuple[list, list]:
     EngineCore.__init__(engine, c, build_components(c))
     schedules, outputs = record(engine), []
     engine._send = lambda step_outputs=None, **_: outputs.append(outputs_of(step_outputs or []))
-    step = (engine._process_batch_queue_step if engine.batch_queue_size > 1
+    step = (engine._process_batch_queue_step if engine.batch_queue.size > 1
             else engine._process_engine_step)
     for request in requests():
         engine.add_request(request)
