@@ -54,10 +54,12 @@ def test_two_processes_read_blocks_byte_for_byte():
 
 
 @pytest.mark.skipif(not HAS_NIXL, reason="nixl is not installed (scripts/setup.sh installs it)")
-def test_a_read_from_a_stopped_peer_is_cancelled_at_its_deadline():
-    """A peer that stops answering (SIGSTOP) after a first read: the second READ never completes
-    (seen with UCX's default transports and with UCX_TLS=tcp alike), so at read_timeout (2 s here)
-    the consumer cancels it and reports its blocks failed (the request then recomputes)."""
+def test_a_read_from_a_stopped_peer_fails_by_its_deadline():
+    """A peer that stops answering (SIGSTOP) after a first read: the second READ usually never
+    completes (seen with UCX's default transports and with UCX_TLS=tcp alike), so at read_timeout
+    (2 s here) the consumer cancels it and reports its blocks failed (the request then
+    recomputes). On a loaded machine the transport has also been seen to fail the READ at once:
+    then the blocks fail at once, with the transport's error, never later than the deadline."""
     port = free_port_pair()
     holder, consumer = _start("holder", port), None
     try:
@@ -69,7 +71,9 @@ def test_a_read_from_a_stopped_peer_is_cancelled_at_its_deadline():
         assert consumer.returncode == 0, out
         ended = re.search(r"second read ended after ([\d.]+) s, failed blocks \[(.*)\]", out)
         assert ended, out
-        assert 2 <= float(ended[1]) < 10
+        assert float(ended[1]) < 10, out
+        cancelled = "not done within read_timeout 2 s, cancelled" in out
+        assert (float(ended[1]) >= 2) == cancelled and (cancelled or "failed (ERR" in out), out
         assert [int(b) for b in ended[2].split(", ")] == sorted(LOCAL_BLOCKS)
     finally:
         os.kill(holder.pid, signal.SIGCONT)
