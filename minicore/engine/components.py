@@ -3,12 +3,13 @@
 The one place that reads a feature's config and picks its component: the model runner (by
 --runner, minicore/model/registry.py), the KV connectors' two sides, the structured output
 manager, the scheduler's own components (drafts, async scheduling's placeholders, logprobs, the
-balance gate), the drafter and the step function's batch queue. EngineCore (minicore/engine/core.py) takes
-the result and imports none of these packages; a new feature adds its files and a line here, not a
-parameter to the core's constructors. vLLM makes the same split at one level: EngineCore takes
-the executor class that Executor.get_class(vllm_config) chose (vllm/v1/executor/abstract.py).
-For a DP rank (dp_group given) the root also checks the rank's config against its peers' and
-shards an MoE model's experts over the ranks before the runner exists.
+balance gate), the drafter and the step function's batch queue. EngineCore
+(minicore/engine/core.py) takes the result and imports none of these packages; a new feature adds
+its files and a line here, not a parameter to the core's constructors. vLLM makes the same split
+at one level: EngineCore takes the executor class that Executor.get_class(vllm_config) chose
+(vllm/v1/executor/abstract.py). For a DP rank (dp_group given) the root also checks the rank's
+config against its peers' and shards an MoE model's experts over the ranks before the runner
+exists.
 """
 
 from collections.abc import Callable

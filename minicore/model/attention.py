@@ -111,7 +111,8 @@ class AttentionMetadata:
     # Host-side copies, so the attention needs no device-to-host syncs.
     seq_lens_cpu: list[int]
     query_start_loc_cpu: list[int]
-    # Sequences with one new token ("decodes", in any order), attended in one batched call:
+    # The decode queries, attended in one batched call: sequences with one new token ("decodes",
+    # in any order), or with token_queries every token:
     decode_tokens: torch.Tensor  # [Bd] int64, their token rows
     decode_block_tables: torch.Tensor  # [Bd, blocks of the longest] int64
     decode_mask: torch.Tensor  # [Bd, 1, 1, blocks * block_size] bool, True below seq_len
@@ -128,9 +129,13 @@ class AttentionMetadata:
         num_new_tokens: list[int],
         kv_caches: list[torch.Tensor],
         decode_attention: DecodeAttention = GATHERED_DECODE,
+        token_queries: bool = False,
     ) -> AttentionMetadata:
         """Metadata for sequences whose first ``num_computed_tokens[i]`` tokens are already cached
-        and whose next ``num_new_tokens[i]`` tokens are in this batch, in that order."""
+        and whose next ``num_new_tokens[i]`` tokens are in this batch, in that order. With
+        ``token_queries`` every token is a decode query over its own prefix, so that a token's
+        attention is computed the same way whether it is decoded, verified as a draft or in a
+        prefill chunk of any size (batch invariance)."""
         block_size = kv_caches[0].shape[2]
         new, computed = torch.tensor(num_new_tokens), torch.tensor(num_computed_tokens)
         seq_lens = computed + new
@@ -139,9 +144,14 @@ class AttentionMetadata:
         seq_of_token = torch.repeat_interleave(torch.arange(len(new)), new)
         positions = torch.arange(int(qsl[-1])) - qsl[seq_of_token] + computed[seq_of_token]
         slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
-        decodes = (new == 1).nonzero().flatten()
-        decode_blocks = -(-int(seq_lens[decodes].max()) // block_size) if len(decodes) else 0
-        decode_mask = torch.arange(decode_blocks * block_size) < seq_lens[decodes, None]
+        if token_queries:  # each token a query of its sequence, over its position + 1 keys
+            query_rows, decodes = torch.arange(len(positions)), seq_of_token
+            query_lens = positions + 1
+        else:
+            decodes = (new == 1).nonzero().flatten()
+            query_rows, query_lens = qsl[decodes], seq_lens[decodes]
+        decode_blocks = -(-int(query_lens.max()) // block_size) if len(decodes) else 0
+        decode_mask = torch.arange(decode_blocks * block_size) < query_lens[:, None]
         device = kv_caches[0].device
         return cls(
             positions=positions.to(device),
@@ -152,11 +162,11 @@ class AttentionMetadata:
             kv_caches=kv_caches,
             seq_lens_cpu=seq_lens.tolist(),
             query_start_loc_cpu=qsl.tolist(),
-            decode_tokens=qsl[decodes].to(device),
+            decode_tokens=query_rows.to(device),
             decode_block_tables=tables[decodes, :decode_blocks].to(device),
             decode_mask=decode_mask[:, None, None, :].to(device),
-            decode_seq_lens=seq_lens[decodes].view(-1, 1, 1, 1).to(device),
-            prefill_seqs=(new > 1).nonzero().flatten().tolist(),
+            decode_seq_lens=query_lens.view(-1, 1, 1, 1).to(device),
+            prefill_seqs=[] if token_queries else (new > 1).nonzero().flatten().tolist(),
             decode_attention=decode_attention,
         )
 

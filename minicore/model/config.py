@@ -7,6 +7,7 @@ a part of EngineConfig (minicore/config.py). Left out: quantization, hf_override
 revision pinning, multimodal settings.
 """
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -20,6 +21,8 @@ from minicore.arg_utils import (
 )
 from minicore.model.registry import MODEL_RUNNERS, runner_info
 
+# vLLM's switch for batch invariance (vllm/envs.py), the default of --batch-invariant here.
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 # --runner's choices: the registry's names (minicore/model/registry.py).
 ModelRunnerKind = Literal[tuple(MODEL_RUNNERS)]
 # vLLM's --dtype choices; "auto" is resolved where torch is (minicore.model.loader,
@@ -78,6 +81,13 @@ class ModelConfig:
         False, "accepted for vLLM's command lines; no effect: sleep and wake_up always work here "
                "(vLLM needs it to allocate through its CuMemAllocator; minicore releases and "
                "restores the tensors themselves)")
+    batch_invariant: bool | None = flag(
+        None, "a request's tokens and logprobs are a function of the request alone, bit for bit, "
+              "whatever else is in the batch, however its prompt is chunked, with drafts or "
+              "without (vLLM's VLLM_BATCH_INVARIANT=1, which sets the default): on CPU every "
+              "linear layer runs minicore's kernel and every token's attention the decode "
+              "kernel, each summing in one order; needs those kernels (a C compiler); not on "
+              "CUDA")
     runner: ModelRunnerKind = flag(
         "transformers", "; ".join(f"{name}: {info.help}" for name, info in MODEL_RUNNERS.items()))
     simulated_cost: SimulatedCost = field(default_factory=SimulatedCost, metadata={
@@ -86,6 +96,8 @@ class ModelConfig:
 
     def __post_init__(self):
         runner_info(self.runner)  # an unknown runner: ValueError naming the choices
+        if self.batch_invariant is None:
+            self.batch_invariant = os.environ.get(BATCH_INVARIANT_ENV, "0") not in ("", "0")
         if self.dtype not in get_args(ModelDType):
             raise ValueError(f"dtype must be one of {', '.join(get_args(ModelDType))}, "
                              f"got {self.dtype!r}")

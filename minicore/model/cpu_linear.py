@@ -23,11 +23,14 @@ freezing path) measured no faster than either. A bfloat16 layer takes the kernel
 weight as it reads it, sums in float32, and the result is rounded to bfloat16 as ``F.linear``'s
 is) for the same rows on a CPU with native bfloat16, and up to 256 rows on one without, where
 oneDNN's bfloat16 product is emulated and 3 to 5 times slower than the kernel at any row count up
-to 256 (docs/BENCHMARKS.md); ``F.linear`` takes the others. Left out: float16 and quantized
-weights.
+to 256 (docs/BENCHMARKS.md); ``F.linear`` takes the others. With ``every_row`` (batch
+invariance) the kernel takes every row count: its sum for an output element runs over the input
+features in one order whatever the rows beside it, where MKL and oneDNN choose kernels (and
+orders) by the row count. Left out: float16 and quantized weights.
 """
 
 import ctypes
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -44,16 +47,18 @@ WIDE = 8
 EMULATED_BF16_KERNEL_ROWS = 256
 
 
-def use_cpu_linear(model: torch.nn.Module, kernels: ctypes.CDLL | None = None) -> int:
+def use_cpu_linear(model: torch.nn.Module, kernels: ctypes.CDLL | None = None,
+                   every_row: bool = False) -> int:
     """Swap the forward of each float32 or bfloat16 ``nn.Linear`` of a CPU model (the tied LM
-    head included), with ``kernels`` (native.py) for the fewest rows; returns how many were
-    swapped."""
+    head included), with ``kernels`` (native.py) for the fewest rows, or for all with
+    ``every_row``; returns how many were swapped."""
     swapped = 0
     for name, module in model.named_modules():
         if (type(module) is torch.nn.Linear and module.weight.dtype in KERNEL_DTYPES
                 and module.weight.device.type == "cpu"):
             module.forward = _SwappedLinear(module.weight, module.bias,
-                                            name.endswith(("gate_proj", "up_proj")), kernels)
+                                            name.endswith(("gate_proj", "up_proj")), kernels,
+                                            every_row)
             swapped += 1
     return swapped
 
@@ -63,15 +68,16 @@ class _SwappedLinear:
     ``(weight @ x^T)^T`` at decode sizes."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool,
-                 kernels: ctypes.CDLL | None):
+                 kernels: ctypes.CDLL | None, every_row: bool):
         self.weight, self.bias, self.transposed = weight, bias, transposed
         # The kernel reads the weight's storage as row-major, and a float32 bias.
         self.kernels = kernels if weight.is_contiguous() else None
         self.kernel_bias = None if bias is None else bias.float()
         out_features, in_features = weight.shape
-        self.kernel_rows = MAX_ROWS if out_features >= WIDE * in_features else MAX_KERNEL_ROWS
+        most = MAX_ROWS if out_features >= WIDE * in_features else MAX_KERNEL_ROWS
         if weight.dtype == torch.bfloat16 and not native_bf16_flags():
-            self.kernel_rows = EMULATED_BF16_KERNEL_ROWS
+            most = EMULATED_BF16_KERNEL_ROWS
+        self.kernel_rows = range(1, sys.maxsize) if every_row else range(MIN_KERNEL_ROWS, most + 1)
         # The swapped product is measured faster in float32 only.
         self.swapped_rows = range(MIN_ROWS, MAX_ROWS + 1) if weight.dtype == torch.float32 else ()
 
@@ -79,7 +85,7 @@ class _SwappedLinear:
         rows = x.reshape(-1, x.shape[-1])
         if x.dtype != self.weight.dtype or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
-        if self.kernels is not None and MIN_KERNEL_ROWS <= rows.shape[0] <= self.kernel_rows:
+        if self.kernels is not None and rows.shape[0] in self.kernel_rows:
             out = linear(self.kernels, rows, self.weight, self.kernel_bias).to(x.dtype)
             return out.view(*x.shape[:-1], out.shape[1])
         if rows.shape[0] not in self.swapped_rows:

@@ -23,6 +23,9 @@ and decode attention gathers blocks instead. CPU only: on CUDA the KV cache is s
 memory and has nothing to spare. The runner plugs DecodeKVBuffers in on CPU at construction as the
 decode attention of minicore/model/attention.py (DecodeAttention): its plan for a step, a RowKV,
 updates the rows and attends; the kernel or torch is chosen once, when the buffers are built.
+With token_queries (batch invariance, --batch-invariant) every token of the step, prefill and
+drafts included, is a query of the kernel over its own prefix, and the softmax runs over a width
+rounded up to QUERY_WIDTH, so that no row's sums depend on the longest query beside it.
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ from minicore.model.attention import GATHERED_DECODE, AttentionMetadata, Gathere
 from minicore.model.native import KERNEL_DTYPES, decode_attention
 
 CHUNK_SIZE = 256
+# The score rows' width, with token_queries, is a multiple of this: torch's softmax then sums
+# every real score in the same vector lanes, whatever padding follows (no remainder loop).
+QUERY_WIDTH = 64
 
 
 @dataclass(slots=True)
@@ -84,14 +90,19 @@ class DecodeKVBuffers:
     """The pools, and which request holds which slot of each."""
 
     def __init__(self, kv_caches: list[torch.Tensor], chunk_size: int = CHUNK_SIZE,
-                 kernel: ctypes.CDLL | None = None):
+                 kernel: ctypes.CDLL | None = None, token_queries: bool = False):
         _, num_blocks, block_size, self.num_kv_heads, self.head_dim = kv_caches[0].shape
         self.num_layers, self.dtype = len(kv_caches), kv_caches[0].dtype
         self.kernel = kernel if self.dtype in KERNEL_DTYPES else None
         # How decode attention reads the pools, chosen once: the kernel, else torch over views.
         self._reads = self._kernel_reads if self.kernel is not None else self._view_reads
+        # Which sequences' tokens are queries (chosen once): those decoding, or every token.
+        self._queries, self._width = ((_every_token, QUERY_WIDTH) if token_queries
+                                      else (_decoding, 1))
         self.max_slots = num_blocks * block_size
-        self.chunk_size = chunk_size
+        # Every token's attention must read the pools, never the gather: in chunks of a block
+        # they hold what the paged cache holds, so that built afresh they always fit.
+        self.chunk_size = block_size if token_queries else chunk_size
         self.pools: list[list[torch.Tensor]] = []
         self.owners: list[list[str]] = []  # per pool, the request of each used slot
         self.slots: dict[str, list[int]] = {}  # per request, its slot in pool 0, 1, ...
@@ -99,23 +110,36 @@ class DecodeKVBuffers:
     def plan(self, req_ids: list[str], computed: list[int], num_new: list[int],
              live: Container[str]) -> RowKV | GatheredDecode:
         """This step's writes and reads (sequences in batch order; live: every request the
-        runner holds), or, when the pools do not fit, the gather for this step."""
+        runner holds), or, when the pools do not fit even built afresh, the gather for this
+        step."""
         seq_lens = [c + n for c, n in zip(computed, num_new)]
-        decodes = [seq for seq, n in enumerate(num_new) if n == 1]
+        decodes = self._queries(num_new)
         for req_id in [r for r in self.slots if r not in live]:
             self._release(req_id)
+        fills = self._place(req_ids, computed, seq_lens)
+        if not self._reserve():
+            # The pools keep the room of requests gone: built afresh, they may fit. The step's
+            # requests are filled from the paged cache now, the others when next scheduled.
+            self.pools, self.owners, self.slots = [], [], {}
+            fills = self._place(req_ids, computed, seq_lens)
+            if not self._reserve():
+                self.pools, self.owners, self.slots = [], [], {}  # refilled when they fit again
+                return GATHERED_DECODE
+        return RowKV(self.pools, self.chunk_size, self._writes(req_ids, computed, seq_lens),
+                     [(seq, self.slots[req_ids[seq]], computed[seq]) for seq in fills],
+                     -(-max((seq_lens[seq] for seq in decodes), default=0) // self._width)
+                     * self._width,
+                     *self._reads(req_ids, seq_lens, decodes))
+
+    def _place(self, req_ids: list[str], computed: list[int], seq_lens: list[int]) -> list[int]:
+        """Give each sequence slots up to its length; the ones to fill from the paged cache (new
+        here, with tokens already computed)."""
         fills = []
         for seq, (req_id, done, seq_len) in enumerate(zip(req_ids, computed, seq_lens)):
             if req_id not in self.slots and done:
                 fills.append(seq)
             self._extend(req_id, -(-seq_len // self.chunk_size))
-        if not self._reserve():
-            self.pools, self.owners, self.slots = [], [], {}  # refilled when they fit again
-            return GATHERED_DECODE
-        return RowKV(self.pools, self.chunk_size, self._writes(req_ids, computed, seq_lens),
-                     [(seq, self.slots[req_ids[seq]], computed[seq]) for seq in fills],
-                     max((seq_lens[seq] for seq in decodes), default=0),
-                     *self._reads(req_ids, seq_lens, decodes))
+        return fills
 
     def _kernel_reads(self, req_ids: list[str], seq_lens: list[int], decodes: list[int]):
         """RowKV's reads for the kernel: each decoding sequence's slots, the pools' addresses."""
@@ -221,6 +245,16 @@ class DecodeKVBuffers:
                 None if index == list(range(len(owners))) else torch.tensor(index),
                 None if bool(mask.all()) else mask))
         return views
+
+
+def _decoding(num_new: list[int]) -> list[int]:
+    """The query sequences of a step: those with one new token."""
+    return [seq for seq, n in enumerate(num_new) if n == 1]
+
+
+def _every_token(num_new: list[int]) -> list[int]:
+    """The sequence of each of the step's tokens, in batch order."""
+    return [seq for seq, n in enumerate(num_new) for _ in range(n)]
 
 
 def write_rows(pools: list[torch.Tensor], key: torch.Tensor, value: torch.Tensor,

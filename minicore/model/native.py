@@ -97,6 +97,19 @@ def _build(compiler: str, path: Path) -> None:
             os.unlink(tmp)
 
 
+def check_batch_invariant(device: torch.device, kernels: ctypes.CDLL | None) -> None:
+    """ValueError where --batch-invariant cannot hold: off the CPU, or without the kernels (their
+    sums run in one order whatever the batch; torch's and MKL's do not)."""
+    if device.type != "cpu":
+        raise ValueError("--batch-invariant runs on CPU only: minicore has no batch-invariant "
+                         f"{device.type} kernels (vLLM's are Triton ones, for compute capability "
+                         "8.0+); drop the flag or VLLM_BATCH_INVARIANT")
+    if kernels is None:
+        raise ValueError("--batch-invariant needs minicore's CPU kernels, which could not be built "
+                         "here (a C compiler, $CC or cc, with OpenMP; the warning above says "
+                         "why)")
+
+
 # The storage types the kernels read, by the flag they take.
 KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 

@@ -34,7 +34,7 @@ from minicore.model.cpu_linear import use_cpu_linear
 from minicore.model.cpu_memory import keep_freed_memory
 from minicore.model.decode_kv import DecodeKVBuffers
 from minicore.model.logprobs import LogprobsOutput
-from minicore.model.native import native_kernels
+from minicore.model.native import check_batch_invariant, native_kernels
 from minicore.model.rejection_sampler import SpecDecodeSampler
 from minicore.model.runner_base import CachedRequestState, ModelRunnerBase
 from minicore.model.sampler import (
@@ -61,9 +61,16 @@ class ModelRunner(ModelRunnerBase):
         self.vocab_size = model.config.vocab_size
         self.block_size = config.cache_config.block_size
         use_paged_attention(model)
+        # Batch invariance (--batch-invariant): every linear layer by the native kernel and
+        # every token a decode query of it, each summing in one order whatever the batch.
+        self.batch_invariant = config.model_config.batch_invariant
+        if self.batch_invariant:
+            check_batch_invariant(self.device, native_kernels())
+        self.build_metadata = partial(AttentionMetadata.build,
+                                      token_queries=self.batch_invariant)
         if self.device.type == "cpu":
             keep_freed_memory()
-            use_cpu_linear(model, native_kernels())
+            use_cpu_linear(model, native_kernels(), self.batch_invariant)
         # The base model gives hidden states; the head runs only on sampling positions.
         self.base_model = model.base_model
         self.lm_head = model.get_output_embeddings()
@@ -78,13 +85,15 @@ class ModelRunner(ModelRunnerBase):
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         # Chosen once: on CPU decode attention reads per-request rows instead of gathering
         # blocks (decode_kv.py), with the native kernel where it builds; elsewhere the gather.
-        self.decode_attention = (DecodeKVBuffers(self.kv_caches, kernel=native_kernels())
-                                 if self.device.type == "cpu" else GatheredDecode())
+        self.decode_attention = (
+            DecodeKVBuffers(self.kv_caches, kernel=native_kernels(),
+                            token_queries=self.batch_invariant)
+            if self.device.type == "cpu" else GatheredDecode())
 
     def bind_weights(self) -> None:
         """After the weights' tensors changed: the CPU linear layers take them anew."""
         if self.device.type == "cpu":
-            use_cpu_linear(self.model, native_kernels())
+            use_cpu_linear(self.model, native_kernels(), self.batch_invariant)
 
     # ---- sleep mode and weights (sleep_mode.py; collective_rpc may name load_weights) ----------
 
@@ -185,8 +194,8 @@ class ModelRunner(ModelRunnerBase):
         if req_ids:
             decode_attention = self.decode_attention.plan(req_ids, computed, num_new,
                                                           self.requests)
-            meta = AttentionMetadata.build([s.block_ids for s in states], computed, num_new,
-                                           self.kv_caches, decode_attention)
+            meta = self.build_metadata([s.block_ids for s in states], computed, num_new,
+                                       self.kv_caches, decode_attention)
             hidden = self._forward(input_ids, meta)
             if sampling_rows:
                 self.sample_step(hidden, meta.query_start_loc_cpu, states, sampling_rows, output)
