@@ -17,10 +17,13 @@ minicore/model/decode_kv.py), side by side; --torch-kernels also runs it with it
 (minicore/model/native.py: decode attention and linear layers on torch only). --vllm also runs
 vLLM's CPU build on the same workload, in its own virtualenv (benchmarks/vllm_side.py), with its
 default dtype (bfloat16 on every x86 CPU; --vllm-dtype to choose); minicore and transformers run
-with --dtype (default: minicore's auto). The CPU's model and bfloat16 flags are printed.
+with --dtype (default: minicore's auto). --batch-invariant also runs minicore with
+--batch-invariant, on its own engine. The workload batch1 is single-stream decode: its prompts
+(128 random ids, 128 output tokens) one at a time, reported as milliseconds per output token too.
+The CPU's model and bfloat16 flags are printed.
 
-    python benchmarks/bench_throughput.py [--workloads uniform varied] [--num-prompts 64] \
-        [--device cpu] [--dtype auto] [--gather] [--torch-kernels] [--vllm]
+    python benchmarks/bench_throughput.py [--workloads uniform varied batch1] [--num-prompts 64] \
+        [--device cpu] [--dtype auto] [--gather] [--torch-kernels] [--batch-invariant] [--vllm]
 """
 
 import argparse
@@ -49,8 +52,8 @@ from minicore.sampling_params import SamplingParams  # noqa: E402
 
 def make_workload(name: str, n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
-    if name == "uniform":
-        lengths = [(128, 128)] * n
+    if name in ("uniform", "batch1"):
+        lengths = [(128, 128)] * (n if name == "uniform" else 4)
     else:
         lengths = [(rng.randint(16, 256), rng.randint(16, 256)) for _ in range(n)]
     # Token ids away from the special tokens at the start of the vocabulary.
@@ -98,22 +101,24 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def run_minicore(llm: LLM, work) -> float:
-    params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in work]
+def run_minicore(llm: LLM, work, one_at_a_time: bool = False) -> float:
+    batches = [[w] for w in work] if one_at_a_time else [work]
     start = time.perf_counter()
-    outs = llm.generate([p for p, _ in work], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    assert [len(o.outputs[0].token_ids) for o in outs] == [o for _, o in work]
-    return elapsed
+    for batch in batches:
+        params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in batch]
+        outs = llm.generate([p for p, _ in batch], params, use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outs] == [o for _, o in batch]
+    return time.perf_counter() - start
 
 
-def run_transformers(work, dtype, device) -> float:
+def run_transformers(work, dtype, device, one_at_a_time: bool = False) -> float:
     """transformers' batched generate on its own load of the model, in the process this runs in
     (a fresh one: see main)."""
     model, tokenizer = load_model(dtype=dtype, device=device)
     with torch.inference_mode(), attn_implementation(model, "sdpa"):
         _generate(model, tokenizer, [(p, 2) for p, _ in work[:4]], model.device)  # warm-up
-        return _generate(model, tokenizer, work, model.device)
+        batches = [[w] for w in work] if one_at_a_time else [work]
+        return sum(_generate(model, tokenizer, batch, model.device) for batch in batches)
 
 
 def _generate(model, tokenizer, work, device) -> float:
@@ -141,6 +146,8 @@ def main() -> None:
                     help="also time minicore with the gather decode attention")
     ap.add_argument("--torch-kernels", action="store_true",
                     help="also time minicore with its C kernels off (CPU)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="also time minicore with --batch-invariant (its own engine)")
     ap.add_argument("--vllm", action="store_true",
                     help="also time vLLM's CPU build (benchmarks/vllm_differential.py --setup)")
     ap.add_argument("--vllm-dtype", default=None, help="vLLM's --dtype (default: its auto)")
@@ -159,13 +166,18 @@ def main() -> None:
     # minicore/model/cpu_memory.py, which makes transformers faster too).
     reference = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     rate = measure_matmul_rate(cfg, dtype, device)
+    invariant = (LLM(dtype=args.dtype, device=args.device, max_model_len=1024, max_num_seqs=256,
+                     batch_invariant=True) if args.batch_invariant else None)
     rows = []
     for name in args.workloads:
         work = make_workload(name, args.num_prompts, cfg.vocab_size)
-        num_out = sum(o for _, o in work)
+        num_out, single = sum(o for _, o in work), name == "batch1"
         run_minicore(llm, work[:4])  # warm-up
-        t_mini = run_minicore(llm, work)
-        gather_tok_s = torch_tok_s = vllm = None
+        t_mini = run_minicore(llm, work, single)
+        gather_tok_s = torch_tok_s = invariant_tok_s = vllm = None
+        if invariant is not None:
+            run_minicore(invariant, work[:4])  # warm-up, as above
+            invariant_tok_s = num_out / run_minicore(invariant, work, single)
         # Other prompts of the same lengths: the first run's are in the prefix cache.
         other = make_workload(name, args.num_prompts, cfg.vocab_size, seed=1)
         # The runner chose its decode path once; each variant swaps in another and back.
@@ -181,13 +193,14 @@ def main() -> None:
             torch_tok_s = sum(o for _, o in third) / run_minicore(llm, third)
             runner.decode_attention = decode_attention
             use_cpu_linear(model, decode_attention.kernel)
-        t_hf = reference.submit(run_transformers, work, dtype, args.device).result()
+        t_hf = reference.submit(run_transformers, work, dtype, args.device, single).result()
         if args.vllm:
             vllm = run_vllm(resolve_model_dir(), work, args.vllm_dtype)
         flops = matmul_flops(cfg, work)
         rows.append({"workload": name, "num_prompts": len(work), "output_tokens": num_out,
                      "minicore_s": t_mini, "transformers_s": t_hf, "gather_tok_s": gather_tok_s,
-                     "torch_kernels_tok_s": torch_tok_s, "vllm": vllm,
+                     "torch_kernels_tok_s": torch_tok_s, "batch_invariant_tok_s": invariant_tok_s,
+                     "vllm": vllm,
                      "vllm_tok_s": vllm and num_out / vllm["seconds"],
                      "minicore_tok_s": num_out / t_mini, "transformers_tok_s": num_out / t_hf,
                      "speedup": t_hf / t_mini, "roofline_fraction": flops / t_mini / rate})
@@ -203,6 +216,11 @@ def main() -> None:
               + (f"  gather: {r['gather_tok_s']:.1f} tok/s" if r["gather_tok_s"] else "")
               + (f"  torch kernels: {r['torch_kernels_tok_s']:.1f} tok/s"
                  if r["torch_kernels_tok_s"] else "")
+              + (f"  batch-invariant: {r['batch_invariant_tok_s']:.1f} tok/s"
+                 if r["batch_invariant_tok_s"] else "")
+              + (f"  ms/token: {1e3 / r['minicore_tok_s']:.1f}"
+                 + (f", batch-invariant {1e3 / r['batch_invariant_tok_s']:.1f}"
+                    if r["batch_invariant_tok_s"] else "") if r["workload"] == "batch1" else "")
               + (f"  vLLM ({r['vllm']['dtype']}): {r['vllm_tok_s']:.1f} tok/s, minicore / vLLM "
                  f"{r['minicore_tok_s'] / r['vllm_tok_s']:.2f}x" if r["vllm"] else ""))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

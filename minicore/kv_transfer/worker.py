@@ -12,7 +12,7 @@ connector stats.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 from minicore.config import EngineConfig
@@ -61,7 +61,7 @@ def execute_model_with_kv_connector(runner: ModelRunnerInterface, connector: KVC
         invalid_block_ids = connector.get_block_ids_with_load_errors()
     finally:
         connector.clear_connector_metadata()
-    # A new record: runners may hand back a shared empty output.
-    return ModelRunnerOutput(output.req_ids, output.req_id_to_index, output.sampled_token_ids,
-                             KVConnectorOutput(finished_sending, finished_recving,
-                                               invalid_block_ids))
+    # A new record (runners may hand back a shared empty output), with all the runner's fields:
+    # its logprobs included.
+    return replace(output, kv_connector_output=KVConnectorOutput(
+        finished_sending, finished_recving, invalid_block_ids))

@@ -26,7 +26,11 @@ oneDNN's bfloat16 product is emulated and 3 to 5 times slower than the kernel at
 to 256 (docs/BENCHMARKS.md); ``F.linear`` takes the others. With ``every_row`` (batch
 invariance) the kernel takes every row count: its sum for an output element runs over the input
 features in one order whatever the rows beside it, where MKL and oneDNN choose kernels (and
-orders) by the row count. Left out: float16 and quantized weights.
+orders) by the row count. Inside a mixture-of-experts block, the router and the experts call
+``F.linear`` on their own weights, with as many rows as tokens were routed: with ``every_row``
+the experts run transformers' eager implementation and those calls take the kernel too
+(KernelLinear, a torch function mode around each block). Left
+out: float16 and quantized weights.
 """
 
 import ctypes
@@ -34,7 +38,9 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
+from minicore.model.expert_parallel import is_moe_block
 from minicore.model.loader import native_bf16_flags
 from minicore.model.native import KERNEL_DTYPES, linear
 
@@ -60,7 +66,41 @@ def use_cpu_linear(model: torch.nn.Module, kernels: ctypes.CDLL | None = None,
                                             name.endswith(("gate_proj", "up_proj")), kernels,
                                             every_row)
             swapped += 1
+        elif every_row and kernels is not None and is_moe_block(module):
+            module.forward = _in_mode(type(module).forward.__get__(module), KernelLinear(kernels))
+    if every_row and getattr(model, "_can_set_experts_implementation", lambda: False)():
+        # transformers' eager experts: one F.linear per expert (its grouped_mm is a matmul of its
+        # own, by row count).
+        model.set_experts_implementation("eager")
     return swapped
+
+
+class KernelLinear(TorchFunctionMode):
+    """While active, ``F.linear`` on a contiguous float32 or bfloat16 CPU weight of the input's
+    dtype runs the native kernel, at any row count."""
+
+    def __init__(self, kernels: ctypes.CDLL):
+        super().__init__()
+        self.kernels = kernels
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight, *rest = args
+            bias = rest[0] if rest else kwargs.get("bias")
+            if (weight.dtype in KERNEL_DTYPES and x.dtype == weight.dtype
+                    and weight.device.type == "cpu" and weight.is_contiguous()):
+                out = linear(self.kernels, x.reshape(-1, x.shape[-1]), weight,
+                             None if bias is None else bias.float()).to(x.dtype)
+                return out.view(*x.shape[:-1], out.shape[1])
+        return func(*args, **kwargs)
+
+
+def _in_mode(forward, mode: TorchFunctionMode):
+    def run(*args, **kwargs):
+        with mode:
+            return forward(*args, **kwargs)
+    return run
 
 
 class _SwappedLinear:

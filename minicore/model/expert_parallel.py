@@ -113,7 +113,7 @@ def shard_experts(model: nn.Module, group: ProcessGroup) -> ExpertParallelInfo:
     rank must run each forward together with the others."""
     ep_rank, ep_size = group.rank(), group.size()
     num_experts = check_expert_parallel(model.config, ep_size)
-    blocks = [m for m in model.modules() if _is_moe_block(m)]
+    blocks = [m for m in model.modules() if is_moe_block(m)]
     if any(isinstance(block.experts, ExpertParallelExperts) for block in blocks):
         raise ExpertParallelError("the model's experts are already sharded")
     if not blocks:
@@ -237,7 +237,9 @@ def _num_experts(config) -> int:
     return next((n for key in _NUM_EXPERTS_KEYS if (n := getattr(text_config, key, None))), 0)
 
 
-def _is_moe_block(module: nn.Module) -> bool:
+def is_moe_block(module: nn.Module) -> bool:
+    """A mixture-of-experts block: its experts stacked in transformers' layout, or already
+    sharded here."""
     experts = getattr(module, "experts", None)
     return isinstance(experts, ExpertParallelExperts) or (
         isinstance(experts, nn.Module)

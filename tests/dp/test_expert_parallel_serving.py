@@ -33,9 +33,14 @@ from minicore.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
-# float32: the DP=2 + EP tokens equal one engine's bit for bit only there (bfloat16 rows change
-# with the batch around them).
-ENGINE_ARGS = dict(dtype="float32", max_model_len=256, kv_cache_memory=16 << 20)
+# float32: the DP=2 + EP tokens equal one engine's bit for bit there (its kernels' rows barely
+# change with the batch around them); in bfloat16 only with --batch-invariant, whose rows never
+# do (tests/model/test_batch_invariance.py).
+ENGINE_ARGS = dict(max_model_len=256, kv_cache_memory=16 << 20)
+DTYPES = {"float32": {"dtype": "float32"},
+          "bfloat16 batch-invariant": {"dtype": "bfloat16", "batch_invariant": True}}
+VARIANTS = [(family, "float32") for family in FAMILIES] + [("mixtral",
+                                                           "bfloat16 batch-invariant")]
 MAX_NUM_SEQS = 3
 # (rank, prompt length, max_tokens). Rank 0's requests are sent first; GATED goes to rank 1 once
 # rank 0 runs all three, and waits some 30 steps, until rank 0's 32-token request ends.
@@ -90,10 +95,12 @@ async def served_tokens(client, prompts: list[list[int]], plan=PLAN
         del client._process_outputs
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-async def test_dp2_expert_parallel_gives_the_tokens_of_one_engine(moe_model_dir, family, tmp_path):
+@pytest.mark.parametrize(("family", "dtype"), VARIANTS)
+async def test_dp2_expert_parallel_gives_the_tokens_of_one_engine(moe_model_dir, family, dtype,
+                                                                 tmp_path):
     model_dir = moe_model_dir(family)
-    reference_llm = LLM(model_dir, **ENGINE_ARGS)
+    engine_args = {**ENGINE_ARGS, **DTYPES[dtype]}
+    reference_llm = LLM(model_dir, **engine_args)
     rng = random.Random(13)
     vocab_size = reference_llm.llm_engine.model_runner.vocab_size
     prompts = [[rng.randrange(3, vocab_size) for _ in range(length)] for _, length, _ in PLAN]
@@ -104,7 +111,7 @@ async def test_dp2_expert_parallel_gives_the_tokens_of_one_engine(moe_model_dir,
     config = create_engine_config(model=model_dir, data_parallel_size=2,
                                   data_parallel_rpc_port=free_port_pair(),
                                   enable_expert_parallel=True, balance_scheduling=True,
-                                  max_num_seqs=MAX_NUM_SEQS, **ENGINE_ARGS)
+                                  max_num_seqs=MAX_NUM_SEQS, **engine_args)
     with engine_log(tmp_path / "engines.log") as log_path:
         async with dp_client(config) as client:
             got, rank1_waiting = await asyncio.wait_for(served_tokens(client, prompts),

@@ -68,10 +68,11 @@ class ProxyProcess(ServerProcess):
 class Deployment:
     """The three processes; the prefill instance can be killed and restarted on its ports."""
 
-    def __init__(self):
+    def __init__(self, *engine_args: str):
+        self.engine_args = [*COMMON, *engine_args]
         self.prefill_port, self.prefill_side_port = free_port(), free_port()
         self.prefill = self._prefill_process()
-        self.decode = ServerProcess(*COMMON, "--kv-transfer-config",
+        self.decode = ServerProcess(*self.engine_args, "--kv-transfer-config",
                                     kv_transfer_config("kv_consumer", free_port()),
                                     "--speculative-config", SPECULATIVE_CONFIG)
         with ThreadPoolExecutor(2) as pool:  # the two model loads overlap
@@ -82,7 +83,8 @@ class Deployment:
     def _prefill_process(self) -> ServerProcess:
         # Chunked: the long prompt's prefill takes several steps. One engine id across restarts:
         # the decode side must forget a dead peer, or it would read from its stale agent.
-        return ServerProcess(*COMMON, "--max-num-batched-tokens", "64", "--kv-transfer-config",
+        return ServerProcess(*self.engine_args, "--max-num-batched-tokens", "64",
+                             "--kv-transfer-config",
                              kv_transfer_config("kv_producer", self.prefill_side_port,
                                                 engine_id="e2e-prefill"),
                              port=self.prefill_port)
@@ -186,6 +188,24 @@ def test_completion_through_proxy_matches_one_instance(deployment, prompts, refe
     assert body["choices"][0]["text"] == reference[name]
     assert body["usage"]["prompt_tokens"] == len(prompts[name])
     assert_kv_freed(deployment)
+
+
+def test_in_bfloat16_with_batch_invariance_it_matches_one_instance_too(prompts):
+    """The float32 deployment above matches one instance because float32 rows barely depend on
+    the batch; in bfloat16 they do (a prefill chunked at 64 and a decode verifying drafts compute
+    another order), unless --batch-invariant fixes every order."""
+    llm = LLM(dtype="bfloat16", batch_invariant=True, max_model_len=MAX_MODEL_LEN,
+              kv_cache_memory=64 << 20)
+    names = ["short", "aligned", "long"]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=1)
+    offline = [(o.text, [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]) for o in (
+        r.outputs[0] for r in llm.generate([prompts[n] for n in names], params, use_tqdm=False))]
+    d = Deployment("--dtype", "bfloat16", "--batch-invariant")
+    try:
+        served = [complete(d.proxy.url, prompts[n], logprobs=1)["choices"][0] for n in names]
+    finally:
+        d.close()
+    assert [(c["text"], c["logprobs"]["token_logprobs"]) for c in served] == offline
 
 
 def test_the_decode_instance_accepts_drafts(deployment, prompts, reference):

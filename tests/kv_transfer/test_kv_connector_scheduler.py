@@ -261,3 +261,27 @@ def test_connector_modules_import_no_heavy_modules():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=60)
     assert result.stdout.strip() == "[]", result.stderr
+
+
+def test_the_worker_side_keeps_every_field_of_the_runners_output():
+    """It adds the connector's report to the runner's output; a prefill instance's one-token answer
+    once lost its logprobs here (a 500 for logprobs through the proxy)."""
+    from types import SimpleNamespace
+
+    from minicore.kv_transfer.worker import execute_model_with_kv_connector
+    from minicore.scheduler.output import ModelRunnerOutput
+
+    ran = ModelRunnerOutput(["r"], {"r": 0}, [[7]], logprobs={"r": "rows"},
+                            prompt_logprobs={"r": "prompt rows"})
+    runner = SimpleNamespace(execute_model=lambda so: ran)
+    connector = SimpleNamespace(
+        bind_connector_metadata=lambda meta: None, start_load_kv=lambda: None,
+        wait_for_save=lambda: None, get_finished=lambda ids: ({"r"}, None),
+        get_block_ids_with_load_errors=lambda: {3}, clear_connector_metadata=lambda: None)
+    out = execute_model_with_kv_connector(runner, connector,
+                                          SimpleNamespace(kv_connector_metadata=None,
+                                                          finished_req_ids=set()))
+    assert out is not ran and ran.kv_connector_output is None
+    assert (out.sampled_token_ids, out.logprobs, out.prompt_logprobs) == (
+        [[7]], {"r": "rows"}, {"r": "prompt rows"})
+    assert out.kv_connector_output == KVConnectorOutput({"r"}, None, {3})

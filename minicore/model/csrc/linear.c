@@ -10,6 +10,10 @@
 /* Output rows (weight rows) per block: 6 rows by 16 columns of x keep 12 accumulators, the two
  * loads of x and a broadcast in the 16 AVX registers. */
 #define ROWS 6
+/* Rows of x per pass: their transpose (k_len x 128 floats, 288 KB at 576 features) stays in cache
+ * while every weight block streams past it; many rows at once (a prefill) would stream it from
+ * memory once per weight block. An output element's sum is the same in any pass. */
+#define SLAB 128
 
 /* Load into a register: left to itself the compiler folds each load into every multiply-add
  * that uses it, and the loads, not the multiply-adds, then bound the loop. */
@@ -80,20 +84,25 @@ INLINE void row_block(const float *xt, int mp, const void *w, const float *bias,
  * out of memory. */
 int linear_rows(const float *x, const void *w, const float *bias, float *out, int m_len,
                 int n_len, int k_len, int threads, int bf16) {
-    int mp = (m_len + 7) / 8 * 8;
-    float *xt = malloc(sizeof(float) * (size_t)k_len * mp);
+    int slab = m_len < SLAB ? m_len : SLAB;
+    float *xt = malloc(sizeof(float) * (size_t)k_len * ((slab + 7) / 8 * 8));
     if (!xt)
         return -1;
-    for (int k = 0; k < k_len; k++)
-        for (int m = 0; m < mp; m++)
-            xt[(size_t)k * mp + m] = m < m_len ? x[(size_t)m * k_len + k] : 0.0f;
     int blocks = (n_len + ROWS - 1) / ROWS;
+    for (int m0 = 0; m0 < m_len; m0 += SLAB) {
+        int rows = m_len - m0 < SLAB ? m_len - m0 : SLAB, mp = (rows + 7) / 8 * 8;
+        const float *xs = x + (size_t)m0 * k_len;
+        float *os = out + (size_t)m0 * n_len;
+        for (int k = 0; k < k_len; k++)
+            for (int m = 0; m < mp; m++)
+                xt[(size_t)k * mp + m] = m < rows ? xs[(size_t)m * k_len + k] : 0.0f;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int nb = 0; nb < blocks; nb++) {
-        if (bf16)
-            row_block(xt, mp, w, bias, out, m_len, n_len, k_len, nb * ROWS, 1);
-        else
-            row_block(xt, mp, w, bias, out, m_len, n_len, k_len, nb * ROWS, 0);
+        for (int nb = 0; nb < blocks; nb++) {
+            if (bf16)
+                row_block(xt, mp, w, bias, os, rows, n_len, k_len, nb * ROWS, 1);
+            else
+                row_block(xt, mp, w, bias, os, rows, n_len, k_len, nb * ROWS, 0);
+        }
     }
     free(xt);
     return 0;
