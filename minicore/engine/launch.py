@@ -191,13 +191,15 @@ def log_engine_config(config: EngineConfig, runner) -> None:
         "dtype=%s, device=%s, max_seq_len=%d, block_size=%d, kv_cache=%d blocks (%d tokens, "
         "%.2f GiB), max_num_seqs=%d, max_num_batched_tokens=%d, enable_prefix_caching=%s, "
         "enable_chunked_prefill=%s, scheduling_policy=%s, data_parallel_size=%d, seed=%d, "
-        "generation_config=%s, speculative_config=%s, async_scheduling=%s", mc.model,
+        "generation_config=%s, speculative_config=%s, async_scheduling=%s, batch_invariant=%s",
+        mc.model,
         mc.tokenizer or mc.model, mc.runner, getattr(model, "dtype", "none"),
         getattr(runner, "device", "none"),
         sc.max_model_len, cc.block_size, cc.num_blocks, (cc.num_blocks - 1) * cc.block_size,
         kv_bytes / 2**30, sc.max_num_seqs, sc.max_num_batched_tokens, cc.enable_prefix_caching,
         sc.enable_chunked_prefill, sc.policy, config.parallel_config.data_parallel_size,
-        mc.seed, mc.generation_config, config.speculative_config, sc.async_scheduling)
+        mc.seed, mc.generation_config, config.speculative_config, sc.async_scheduling,
+        mc.batch_invariant)
 
 
 def configure_engine_process(config: EngineConfig, engine_index: int) -> None:

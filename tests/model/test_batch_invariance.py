@@ -106,3 +106,9 @@ def test_refused_where_it_cannot_hold(monkeypatch):
     monkeypatch.setattr(runner, "native_kernels", lambda: None)
     with pytest.raises(ValueError, match="kernels, which could not be built"):
         LLM(dtype="float32", **ENGINE)
+
+
+def test_the_engines_config_line_says_which(caplog):
+    with caplog.at_level("INFO", logger="minicore"):
+        LLM(dtype="float32", **ENGINE)
+    assert "batch_invariant=True" in caplog.text
