@@ -21,16 +21,17 @@ to row-major, which attention, the residual adds and the sampler want (leaving a
 strided measured slower). MKL-packed weights (``torch.ops.mkl._mkl_linear``, inductor's
 freezing path) measured no faster than either. A bfloat16 layer takes the kernel (it widens the
 weight as it reads it, sums in float32, and the result is rounded to bfloat16 as ``F.linear``'s
-is) for the same rows on a CPU with native bfloat16, and up to 256 rows on one without, where
-oneDNN's bfloat16 product is emulated and 3 to 5 times slower than the kernel at any row count up
-to 256 (docs/BENCHMARKS.md); ``F.linear`` takes the others. With ``every_row`` (batch
+is) for the same rows on a CPU with native bfloat16, from one row on a CPU with AVX512-BF16 (the
+kernel then takes its dot products: ``csrc/linear_bf16.c``; an LM head up to 8 rows), and up to
+256 rows on one without, where oneDNN's bfloat16 product is emulated and 3 to 5 times slower than
+the kernel at any row count up to 256 (docs/BENCHMARKS.md); ``F.linear`` takes the others. With ``every_row`` (batch
 invariance) the kernel takes every row count: its sum for an output element runs over the input
 features in one order whatever the rows beside it, where MKL and oneDNN choose kernels (and
 orders) by the row count. Inside a mixture-of-experts block, the router and the experts call
 ``F.linear`` on their own weights, with as many rows as tokens were routed: with ``every_row``
 the experts run transformers' eager implementation and those calls take the kernel too
-(KernelLinear, a torch function mode around each block). Left
-out: float16 and quantized weights.
+(KernelLinear, a torch function mode around each block). Left out: float16 and quantized
+weights.
 """
 
 import ctypes
@@ -51,6 +52,9 @@ MIN_ROWS, MAX_ROWS, MIN_KERNEL_ROWS, MAX_KERNEL_ROWS = 12, 128, 2, 32
 WIDE = 8
 # Rows up to which a bfloat16 layer takes the kernel where bfloat16 is emulated.
 EMULATED_BF16_KERNEL_ROWS = 256
+# Rows up to which an LM head takes the AVX512-BF16 kernel (csrc/linear_bf16.c), which takes
+# every layer from one row to MAX_KERNEL_ROWS: there it beats oneDNN's bfloat16 products.
+BF16_DOT_WIDE_ROWS = 8
 
 
 def use_cpu_linear(model: torch.nn.Module, kernels: ctypes.CDLL | None = None,
@@ -114,10 +118,13 @@ class _SwappedLinear:
         self.kernels = kernels if weight.is_contiguous() else None
         self.kernel_bias = None if bias is None else bias.float()
         out_features, in_features = weight.shape
-        most = MAX_ROWS if out_features >= WIDE * in_features else MAX_KERNEL_ROWS
-        if weight.dtype == torch.bfloat16 and not native_bf16_flags():
+        wide = out_features >= WIDE * in_features
+        fewest, most = MIN_KERNEL_ROWS, MAX_ROWS if wide else MAX_KERNEL_ROWS
+        if weight.dtype == torch.bfloat16 and getattr(kernels, "bf16_dot", False):
+            fewest, most = 1, BF16_DOT_WIDE_ROWS if wide else MAX_KERNEL_ROWS
+        elif weight.dtype == torch.bfloat16 and not native_bf16_flags():
             most = EMULATED_BF16_KERNEL_ROWS
-        self.kernel_rows = range(1, sys.maxsize) if every_row else range(MIN_KERNEL_ROWS, most + 1)
+        self.kernel_rows = range(1, sys.maxsize) if every_row else range(fewest, most + 1)
         # The swapped product is measured faster in float32 only.
         self.swapped_rows = range(MIN_ROWS, MAX_ROWS + 1) if weight.dtype == torch.float32 else ()
 

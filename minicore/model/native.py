@@ -13,8 +13,9 @@ Their OpenMP runtime is the one torch already loaded (same soname), so their thr
 Without a compiler, or if the build fails, both stay in torch, with a warning. Both read float32
 or bfloat16 storage (the KV pools, the weights) and compute in float32: a bfloat16 is widened by a
 shift as it is read, so they run on every CPU and read half the bytes of float32 (decode is
-bound by those reads). Left out: AVX512-BF16 dot products and
-AMX tiles (the widening keeps float32's multiply-adds), float16.
+bound by those reads). On a CPU with AVX512-BF16 a linear layer of bfloat16 weights and inputs
+takes its dot products instead (``csrc/linear_bf16.c``, VDPBF16PS). Left out: AMX tiles, bfloat16
+dot products in decode attention (it widens), float16.
 """
 
 from __future__ import annotations
@@ -68,7 +69,10 @@ def native_kernels() -> ctypes.CDLL | None:
     lib.decode_values.argtypes = _COMMON + [_I64, _P, _I, _I]
     lib.decode_scores.restype = lib.decode_values.restype = None
     lib.linear_rows.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I]
-    lib.linear_rows.restype = _I
+    lib.linear_rows_bf16.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
+    lib.linear_rows.restype = lib.linear_rows_bf16.restype = _I
+    # Whether bfloat16 products run on the CPU's own instructions (AVX512-BF16), asked once.
+    lib.bf16_dot = lib.linear_rows_bf16(None, None, None, None, 0, 0, 0, 1) == 0
     return lib
 
 
@@ -144,15 +148,24 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[rows, in]``, ``weight`` contiguous, float32 or
     bfloat16, summed in float32; the result is float32 (the caller rounds it, or, at the LM head,
-    keeps float32's logits)."""
+    keeps float32's logits). bfloat16 ``x`` and weight, on a CPU with AVX512-BF16, take its dot
+    products (``csrc/linear_bf16.c``)."""
     if not weight.is_contiguous():
         raise ValueError("linear: the weight must be contiguous (row-major)")
-    x = x.float().contiguous()
     bias = None if bias is None else bias.float().contiguous()
+    threads = torch.get_num_threads()
+    if lib.bf16_dot and weight.dtype == x.dtype == torch.bfloat16:
+        x = x.contiguous()
+        out = x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+        lib.linear_rows_bf16(x.data_ptr(), weight.data_ptr(),
+                             None if bias is None else bias.data_ptr(), out.data_ptr(),
+                             x.shape[0], weight.shape[0], x.shape[1], threads)
+        return out
+    x = x.float().contiguous()
     out = x.new_empty(x.shape[0], weight.shape[0])
     status = lib.linear_rows(x.data_ptr(), weight.data_ptr(),
                              None if bias is None else bias.data_ptr(), out.data_ptr(),
-                             x.shape[0], weight.shape[0], x.shape[1], torch.get_num_threads(),
+                             x.shape[0], weight.shape[0], x.shape[1], threads,
                              KERNEL_DTYPES[weight.dtype])
     if status:
         raise MemoryError("linear_rows: out of memory")

@@ -27,6 +27,17 @@ def native_kernel():
     return lib
 
 
+@pytest.fixture(params=["dot products", "widened"])
+def bf16_path(request, monkeypatch):
+    """The kernels, with bfloat16 products by AVX512-BF16 (csrc/linear_bf16.c; skipped where the
+    CPU has none) or widened to float32 (csrc/linear.c)."""
+    lib = native_kernel()
+    if request.param == "dot products" and not lib.bf16_dot:
+        pytest.skip("no AVX512-BF16 on this CPU")
+    monkeypatch.setattr(lib, "bf16_dot", request.param == "dot products")
+    return lib
+
+
 @pytest.fixture
 def fresh_build(tmp_path, monkeypatch):
     """native_kernels() as in a new process, with an empty cache folder."""
@@ -115,11 +126,12 @@ def test_matches_dense_attention_over_scattered_pools(group, dim, window, softca
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,out_features,in_features,bias", [
     (1, 7, 5, True), (3, 64, 100, False), (8, 13, 576, True), (16, 1536, 576, False),
-    (17, 576, 1536, True), (32, 33, 64, False)])
-def test_linear_matches_f_linear(rows, out_features, in_features, bias, dtype):
-    """Any row count (full and partial blocks of 8 and 16), output sizes that are not a multiple
-    of 4, input sizes that are not a multiple of 8; a bfloat16 weight summed in float32."""
-    lib = native_kernel()
+    (17, 576, 1536, True), (32, 33, 64, False), (130, 70, 96, True), (261, 9, 33, False)])
+def test_linear_matches_f_linear(rows, out_features, in_features, bias, dtype, bf16_path):
+    """Any row count (full and partial blocks of 8 and 16, past a slab of 128), output sizes that
+    are not a multiple of 4, input sizes that are not a multiple of 8 or 32; a bfloat16 weight
+    summed in float32, widened or by the CPU's dot products."""
+    lib = bf16_path
     gen = torch.Generator().manual_seed(rows * out_features)
     x = torch.randn(rows, in_features, generator=gen).to(dtype)
     w = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).to(dtype)
@@ -130,3 +142,16 @@ def test_linear_matches_f_linear(rows, out_features, in_features, bias, dtype):
     # float32 sums of a few hundred terms in another order than MKL's: a few ulps apart.
     expected = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_linear_rows_result_is_the_same_whatever_the_rows_beside_it(dtype, bf16_path):
+    """Batch invariance at the kernel: each row's output, bit for bit, alone, among 7, 100 and
+    300 rows, and at another position."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 200, generator=gen).to(dtype)
+    w = torch.randn(50, 200, generator=gen).to(dtype)
+    alone = torch.cat([native.linear(bf16_path, x[i:i + 1], w, None) for i in range(7)])
+    for rows in (7, 100, 300):
+        assert torch.equal(native.linear(bf16_path, x[:rows], w, None)[:7], alone)
+    assert torch.equal(native.linear(bf16_path, x[:7].flip(0), w, None), alone.flip(0))
