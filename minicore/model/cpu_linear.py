@@ -1,37 +1,35 @@
-"""Linear layers of float32 and bfloat16 CPU models at decode batch sizes: the native kernel for
-the fewest rows, else (float32) ``(W @ x^T)^T``.
+"""Linear layers of float32 and bfloat16 CPU models at decode batch sizes: the native kernel for the
+fewest rows, else (float32) ``(W @ x^T)^T``.
 
 vLLM's CPU backend routes its linear layers through its own GEMM dispatch
-(``vllm/model_executor/layers/utils.py`` ``dispatch_cpu_unquantized_gemm``, oneDNN on
-pre-packed weights). On torch's MKL build, eager ``F.linear`` with few rows (a decode step:
-one row per sequence) spreads poorly over the threads, and the same product with the operands
-swapped, one sgemm over the weight's long side, is faster. Up to 32 rows, native.py's kernel
-(``csrc/linear.c``), which reads each weight once without MKL's per-call packing, is faster
-still (docs/BENCHMARKS.md has the figures). A single row stays on ``F.linear``
-(MKL's matrix-vector product, as fast, both bound by reading the weights). Past 32 rows it
-loses on most shapes (its copy of x no longer stays in cache), except on a layer much wider than
-deep, the LM head, where it wins up to 128 rows. Its sums run in
-another order than MKL's, so its outputs are a few ulps from ``F.linear``'s (the greedy parity
-tests hold). From 12 to 128 rows without it, and from 33 to 128 with it, the swapped product is
-used: there its results equal ``F.linear``'s bit for bit (below 12 rows MKL's small-batch
-kernels round ``F.linear`` differently); past ~128 rows (prefill) it loses. The swapped product
-comes out transposed: the MLP's gate/up projections hand it on as a view (their product feeds
-down_proj, which then gets its ``x^T`` contiguous for free); every other output is copied back
-to row-major, which attention, the residual adds and the sampler want (leaving all of them
-strided measured slower). MKL-packed weights (``torch.ops.mkl._mkl_linear``, inductor's
-freezing path) measured no faster than either. A bfloat16 layer takes the kernel (it widens the
-weight as it reads it, sums in float32, and the result is rounded to bfloat16 as ``F.linear``'s
-is) for the same rows on a CPU with native bfloat16, from one row on a CPU with AVX512-BF16 (the
-kernel then takes its dot products: ``csrc/linear_bf16.c``; an LM head up to 8 rows), and up to
-256 rows on one without, where oneDNN's bfloat16 product is emulated and 3 to 5 times slower than
-the kernel at any row count up to 256 (docs/BENCHMARKS.md); ``F.linear`` takes the others. With ``every_row`` (batch
-invariance) the kernel takes every row count: its sum for an output element runs over the input
-features in one order whatever the rows beside it, where MKL and oneDNN choose kernels (and
-orders) by the row count. Inside a mixture-of-experts block, the router and the experts call
-``F.linear`` on their own weights, with as many rows as tokens were routed: with ``every_row``
-the experts run transformers' eager implementation and those calls take the kernel too
-(KernelLinear, a torch function mode around each block). Left out: float16 and quantized
-weights.
+(``vllm/model_executor/layers/utils.py`` ``dispatch_cpu_unquantized_gemm``, oneDNN on pre-packed
+weights). On torch's MKL build, eager ``F.linear`` with few rows (a decode step: one row per
+sequence) spreads poorly over the threads, and the same product with the operands swapped, one sgemm
+over the weight's long side, is faster. Up to 32 rows, native.py's kernel (``csrc/linear.c``), which
+reads each weight once without MKL's per-call packing, is faster still (docs/BENCHMARKS.md has the
+figures). A single row stays on ``F.linear`` (MKL's matrix-vector product, as fast, both bound by
+reading the weights). Past 32 rows it loses on most shapes (its copy of x no longer stays in cache),
+except on a layer much wider than deep, the LM head, where it wins up to 128 rows. Its sums run in
+another order than MKL's, so its outputs are a few ulps from ``F.linear``'s (the greedy parity tests
+hold). From 12 to 128 rows without it, and from 33 to 128 with it, the swapped product is used:
+there its results equal ``F.linear``'s bit for bit (below 12 rows MKL's small-batch kernels round
+``F.linear`` differently); past ~128 rows (prefill) it loses. The swapped product comes out
+transposed: the MLP's gate/up projections hand it on as a view (their product feeds down_proj, which
+then gets its ``x^T`` contiguous for free); every other output is copied back to row-major, which
+attention, the residual adds and the sampler want (leaving all of them strided measured slower).
+MKL-packed weights (``torch.ops.mkl._mkl_linear``, inductor's freezing path) measured no faster than
+either. A bfloat16 layer takes the kernel (it widens the weight as it reads it, sums in float32, and
+the result is rounded to bfloat16 as ``F.linear``'s is) for the same rows on a CPU with native
+bfloat16, from one row on a CPU with AVX512-BF16 (the kernel then takes its dot products:
+``csrc/linear_bf16.c``; an LM head up to 8 rows), and up to 256 rows on one without, where oneDNN's
+bfloat16 product is emulated and 3 to 5 times slower than the kernel at any row count up to 256
+(docs/BENCHMARKS.md); ``F.linear`` takes the others. With ``every_row`` (batch invariance) the
+kernel takes every row count: its sum for an output element runs over the input features in one
+order whatever the rows beside it, where MKL and oneDNN choose kernels (and orders) by the row
+count. Inside a mixture-of-experts block, the router and the experts call ``F.linear`` on their own
+weights, with as many rows as tokens were routed: with ``every_row`` the experts run transformers'
+eager implementation and those calls take the kernel too (KernelLinear, a torch function mode around
+each block). Left out: float16 and quantized weights.
 """
 
 import ctypes
