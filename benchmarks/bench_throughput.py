@@ -195,7 +195,7 @@ def main() -> None:
             use_cpu_linear(model, decode_attention.kernel)
         t_hf = reference.submit(run_transformers, work, dtype, args.device, single).result()
         if args.vllm:
-            vllm = run_vllm(resolve_model_dir(), work, args.vllm_dtype)
+            vllm = run_vllm(resolve_model_dir(), work, args.vllm_dtype, one_at_a_time=single)
         flops = matmul_flops(cfg, work)
         rows.append({"workload": name, "num_prompts": len(work), "output_tokens": num_out,
                      "minicore_s": t_mini, "transformers_s": t_hf, "gather_tok_s": gather_tok_s,

@@ -3,7 +3,8 @@ own virtualenv (``benchmarks/vllm_differential.py --setup`` makes it), in a fres
 vLLM's defaults (``--dtype auto``: bfloat16 on every x86 CPU) unless a dtype is given.
 
 The child gets the workload as JSON on stdin and prints one JSON line: the dtype vLLM resolved,
-its load time and the seconds of the timed ``generate`` (after a short warm-up). minicore never
+its load time and the seconds of the timed ``generate`` (after a short warm-up), of the whole
+workload at once or of its requests one at a time. minicore never
 imports vLLM; only this child process does.
 """
 
@@ -29,8 +30,10 @@ work = spec["work"]
 prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in work]
 params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in work]
 llm.generate(prompts[:4], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+batches = [[i] for i in range(len(work))] if spec["one_at_a_time"] else [range(len(work))]
 start = time.perf_counter()
-outs = llm.generate(prompts, params, use_tqdm=False)
+outs = [o for b in batches
+        for o in llm.generate([prompts[i] for i in b], [params[i] for i in b], use_tqdm=False)]
 elapsed = time.perf_counter() - start
 assert [len(o.outputs[0].token_ids) for o in outs] == [o for _, o in work]
 dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
@@ -39,7 +42,8 @@ print("VLLM_RESULT " + json.dumps({"dtype": dtype, "load_s": load_s, "seconds": 
 
 
 def run_vllm(model_dir: Path, work: list[tuple[list[int], int]], dtype: str | None = None,
-             max_model_len: int = 1024, max_num_seqs: int = 256, kv_bytes: int = 1 << 30) -> dict:
+             max_model_len: int = 1024, max_num_seqs: int = 256, kv_bytes: int = 1 << 30,
+             one_at_a_time: bool = False) -> dict:
     """vLLM's time for ``work`` ((prompt ids, output tokens) pairs, greedy, EOS ignored), with a
     KV cache of ``kv_bytes`` (minicore's CPU default: vLLM's own default reserves a fraction of
     the machine's memory and refuses to start when other processes hold it)."""
@@ -48,7 +52,8 @@ def run_vllm(model_dir: Path, work: list[tuple[list[int], int]], dtype: str | No
         raise SystemExit(f"no vLLM virtualenv at {VENV}: run "
                          "`.venv/bin/python benchmarks/vllm_differential.py --setup` first")
     spec = {"model": str(model_dir), "dtype": dtype or "auto", "work": work,
-            "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "kv_bytes": kv_bytes}
+            "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "kv_bytes": kv_bytes,
+            "one_at_a_time": one_at_a_time}
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("PYTHONPATH", None)
     done = subprocess.run([str(python), "-c", CHILD], input=json.dumps(spec), env=env,
