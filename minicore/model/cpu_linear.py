@@ -50,6 +50,10 @@ MIN_ROWS, MAX_ROWS, MIN_KERNEL_ROWS, MAX_KERNEL_ROWS = 12, 128, 2, 32
 WIDE = 8
 # Rows up to which a bfloat16 layer takes the kernel where bfloat16 is emulated.
 EMULATED_BF16_KERNEL_ROWS = 256
+# Element-wise ops with a transcendental inside (Qwen2-MoE's shared-expert gate is a sigmoid
+# over one column per token), and a multiple of every vector width torch uses.
+PADDED_OPS = {torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid, F.silu}
+VECTOR_PAD = 64
 # Rows up to which an LM head takes the AVX512-BF16 kernel (csrc/linear_bf16.c), which takes
 # every layer from one row to MAX_KERNEL_ROWS: there it beats oneDNN's bfloat16 products.
 BF16_DOT_WIDE_ROWS = 8
@@ -79,7 +83,9 @@ def use_cpu_linear(model: torch.nn.Module, kernels: ctypes.CDLL | None = None,
 
 class KernelLinear(TorchFunctionMode):
     """While active, ``F.linear`` on a contiguous float32 or bfloat16 CPU weight of the input's
-    dtype runs the native kernel, at any row count."""
+    dtype runs the native kernel, at any row count; and a sigmoid or SiLU runs over its input
+    padded to a multiple of VECTOR_PAD elements, so that no element falls in the scalar remainder
+    of torch's vectorised loop (whose exp rounds otherwise), wherever the batch puts it."""
 
     def __init__(self, kernels: ctypes.CDLL):
         super().__init__()
@@ -95,6 +101,10 @@ class KernelLinear(TorchFunctionMode):
                 out = linear(self.kernels, x.reshape(-1, x.shape[-1]), weight,
                              None if bias is None else bias.float()).to(x.dtype)
                 return out.view(*x.shape[:-1], out.shape[1])
+        if func in PADDED_OPS and not kwargs.get("inplace") and len(args) == 1:
+            flat = args[0].reshape(-1)
+            padded = func(F.pad(flat, (0, -flat.numel() % VECTOR_PAD)))
+            return padded[:flat.numel()].view(args[0].shape)
         return func(*args, **kwargs)
 
 

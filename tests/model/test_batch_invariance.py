@@ -24,6 +24,11 @@ TARGET = ("The history of the Roman Empire begins with the founding of the city,
           "to legend took place in 753 BC, when Romulus, " + " ".join(rng.choice(WORDS)
                                                                       for _ in range(150)))
 OTHERS = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 60))) for _ in range(63)]
+# Tiny MoE models with the widths of real ones: multiples of 64, heads of 64 (rotary's cos and
+# sin run over each token's head_dim).
+WIDTHS = {"mixtral": {"hidden_size": 256, "intermediate_size": 64},
+          "qwen2_moe": {"hidden_size": 256, "intermediate_size": 64, "moe_intermediate_size": 64,
+                        "shared_expert_intermediate_size": 64}}
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
 ENGINE = dict(max_model_len=512, kv_cache_memory=1 << 27, batch_invariant=True)
 # Each case: engine arguments beside ENGINE, and how many of OTHERS run beside the target.
@@ -80,10 +85,14 @@ def test_the_same_tokens_and_logprobs(alone, case):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_mixture_of_experts_model_too(tmp_path_factory, dtype):
-    """Mixtral's router and experts call F.linear on their own weights: the kernel takes those
-    calls too, and the experts run one by one, summed in expert order."""
-    model = str(build_served_moe("mixtral", tmp_path_factory.mktemp("mixtral")))
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_a_mixture_of_experts_model_too(tmp_path_factory, family, dtype):
+    """An MoE block's router and experts call F.linear on their own weights: the kernel takes
+    those calls too, and the experts run one by one, summed in expert order; Qwen2-MoE adds a
+    shared expert gated by a sigmoid over one column per token, and a dense layer. Their widths
+    are multiples of 64, as real models' are: over the tiny models' default widths (48; heads of
+    8) an element-wise op has a vector remainder (docs/ARCHITECTURE.md, Batch invariance)."""
+    model = str(build_served_moe(family, tmp_path_factory.mktemp(family), **WIDTHS[family]))
     prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (40, 7, 90, 23, 61)]
     prompts = [{"prompt_token_ids": p} for p in prompts]
     engine = dict(ENGINE, model=model, dtype=dtype, max_model_len=256)
