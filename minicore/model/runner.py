@@ -7,7 +7,8 @@ only at the positions that sample (and, for requests that ask for prompt logprob
 positions), and samples with minicore/model/sampler.py. The sampling metadata is rebuilt each step
 from the request states (SamplingMetadata.from_states; vLLM keeps it in its persistent InputBatch).
 What is optional is chosen once, in __init__: how decode attention reads keys (on CPU per-request
-rows, minicore/model/decode_kv.py; else attention.py's gather) and the CPU linear layers; the
+rows, minicore/model/decode_kv.py; else attention.py's gather) and the CPU linear layers, both
+for every row and every token with --batch-invariant (docs/ARCHITECTURE.md); the
 logprobs a request asks for come from a component (minicore/model/logprobs.py) that knows which
 requests asked; with speculative decoding, the sampling step verifies each request's drafts
 (minicore/model/rejection_sampler.py), which the state update appends to its token ids as vLLM
