@@ -1,7 +1,8 @@
 /* Linear layers of bfloat16 models on CPUs with AVX512-BF16: out = x W^T (+ bias), x and W
  * bfloat16, out float32, by VDPBF16PS (two bfloat16 products summed into each float32 lane).
  * Each output element is the dot product of its weight row and its row of x: 16 lanes, lane i
- * summing features 32j + 2i and 32j + 2i + 1 over j, then one fixed horizontal sum; the same
+ * summing features 32j + 2i and 32j + 2i + 1 over j, then one fixed horizontal sum (four at a
+ * time: sum4); the same
  * for every row whatever the others (batch invariance), in any block. Rows of x go in slabs of
  * 128, whose 4-row blocks stay in cache while every block of 4 weight rows streams past; one
  * row (a decode step) reads each weight once at memory speed. Without AVX512-BF16 it reports
@@ -14,6 +15,20 @@
 #include <immintrin.h>
 
 #define R 4 /* weight rows per block */
+
+/* The lane sums of four accumulators at once, [sum a, sum b, sum c, sum d]: within each 128-bit
+ * lane (l0 + l2) + (l1 + l3), then the four lanes (0 + 2) + (1 + 3). Every sum has the same tree,
+ * whichever accumulators share the instructions. */
+static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
+    __m512 all = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
+                               _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
+    __m256 half = _mm256_add_ps(_mm512_castps512_ps256(all),
+                                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(all), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
 
 /* out[m0 + c][n0 + r] for r < rows, c < C: C rows of x against 4 weight rows (a last block's
  * missing weight rows read its first row: computed, never stored). */
@@ -52,10 +67,11 @@ static inline __attribute__((always_inline)) void block(const uint16_t *x, const
             for (int c = 0; c < C; c++)
                 acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wv[r], xv[c]);
     }
+    __mmask8 stored = (1u << rows) - 1;
+    __m128 b = bias ? _mm_maskz_loadu_ps(stored, bias + n0) : _mm_setzero_ps();
     for (int c = 0; c < C; c++)
-        for (int r = 0; r < rows; r++)
-            out[(int64_t)(m0 + c) * n_len + n0 + r] =
-                _mm512_reduce_add_ps(acc[r][c]) + (bias ? bias[n0 + r] : 0.0f);
+        _mm_mask_storeu_ps(out + (int64_t)(m0 + c) * n_len + n0, stored,
+                           _mm_add_ps(sum4(acc[0][c], acc[1][c], acc[2][c], acc[3][c]), b));
 }
 
 /* 0, or -2 where this CPU (this build) has no AVX512-BF16. */
