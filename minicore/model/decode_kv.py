@@ -18,8 +18,9 @@ matmuls and a softmax.
 The paged cache stays the source of truth (prefix caching, chunked prefill and prefill attention
 read it); every new token is written to both. A request that arrives with tokens already computed
 (a prefix-cache hit) has them copied from the paged cache once. The pools never hold more slots
-than the paged cache, so they at most double the KV memory; a step that would need more drops them
-and decode attention gathers blocks instead. CPU only: on CUDA the KV cache is sized from the free
+than the paged cache, so they at most double the KV memory; a step that would need more builds
+them afresh (they keep the room of requests gone), and only if even those do not fit drops them
+for the gather. CPU only: on CUDA the KV cache is sized from the free
 memory and has nothing to spare. The runner plugs DecodeKVBuffers in on CPU at construction as the
 decode attention of minicore/model/attention.py (DecodeAttention): its plan for a step, a RowKV,
 updates the rows and attends; the kernel or torch is chosen once, when the buffers are built.
