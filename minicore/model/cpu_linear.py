@@ -98,8 +98,7 @@ class KernelLinear(TorchFunctionMode):
             bias = rest[0] if rest else kwargs.get("bias")
             if (weight.dtype in KERNEL_DTYPES and x.dtype == weight.dtype
                     and weight.device.type == "cpu" and weight.is_contiguous()):
-                out = linear(self.kernels, x.reshape(-1, x.shape[-1]), weight,
-                             None if bias is None else bias.float()).to(x.dtype)
+                out = linear(self.kernels, x.reshape(-1, x.shape[-1]), weight, bias, x.dtype)
                 return out.view(*x.shape[:-1], out.shape[1])
         if func in PADDED_OPS and not kwargs.get("inplace") and len(args) == 1:
             flat = args[0].reshape(-1)
@@ -141,7 +140,7 @@ class _SwappedLinear:
         if x.dtype != self.weight.dtype or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
         if self.kernels is not None and rows.shape[0] in self.kernel_rows:
-            out = linear(self.kernels, rows, self.weight, self.kernel_bias).to(x.dtype)
+            out = linear(self.kernels, rows, self.weight, self.kernel_bias, x.dtype)
             return out.view(*x.shape[:-1], out.shape[1])
         if rows.shape[0] not in self.swapped_rows:
             return F.linear(x, self.weight, self.bias)

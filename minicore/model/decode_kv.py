@@ -104,7 +104,13 @@ class DecodeKVBuffers:
         # Every token's attention must read the pools, never the gather: in chunks of a block
         # they hold what the paged cache holds, so that built afresh they always fit.
         self.chunk_size = block_size if token_queries else chunk_size
+        self._drop_pools()
+
+    def _drop_pools(self) -> None:
         self.pools: list[list[torch.Tensor]] = []
+        # Per pool, [layers, 2] addresses of its key and value buffers, kept as the pools are
+        # (rebuilt each step they cost a data_ptr() per layer and pool).
+        self.addresses: list[torch.Tensor] = []
         self.owners: list[list[str]] = []  # per pool, the request of each used slot
         self.slots: dict[str, list[int]] = {}  # per request, its slot in pool 0, 1, ...
 
@@ -121,10 +127,10 @@ class DecodeKVBuffers:
         if not self._reserve():
             # The pools keep the room of requests gone: built afresh, they may fit. The step's
             # requests are filled from the paged cache now, the others when next scheduled.
-            self.pools, self.owners, self.slots = [], [], {}
+            self._drop_pools()
             fills = self._place(req_ids, computed, seq_lens)
             if not self._reserve():
-                self.pools, self.owners, self.slots = [], [], {}  # refilled when they fit again
+                self._drop_pools()  # refilled when they fit again
                 return GATHERED_DECODE
         return RowKV(self.pools, self.chunk_size, self._writes(req_ids, computed, seq_lens),
                      [(seq, self.slots[req_ids[seq]], computed[seq]) for seq in fills],
@@ -192,12 +198,14 @@ class DecodeKVBuffers:
     def _grow(self, chunk: int, capacity: int) -> None:
         shape = (2, capacity, self.num_kv_heads, self.chunk_size, self.head_dim)
         new = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
+        addresses = torch.tensor([[p.data_ptr(), p[1].data_ptr()] for p in new])
         if chunk < len(self.pools):
             for pool, old in zip(new, self.pools[chunk]):
                 pool[:, :old.shape[1]] = old
-            self.pools[chunk] = new
+            self.pools[chunk], self.addresses[chunk] = new, addresses
         else:
             self.pools.append(new)
+            self.addresses.append(addresses)
 
     def _writes(self, req_ids, computed, seq_lens):
         """Per pool: which of the step's tokens go there, at which flat index of each head."""
@@ -224,10 +232,9 @@ class DecodeKVBuffers:
 
     def _pointers(self) -> torch.Tensor:
         """Per layer, the addresses of each chunk's key pool and value pool."""
-        return torch.tensor([
-            [[p[layer].data_ptr() + i * p[layer].stride(0) * p[layer].element_size()
-              for p in self.pools] for i in (0, 1)]
-            for layer in range(self.num_layers)], dtype=torch.int64)
+        if not self.addresses:
+            return torch.empty(self.num_layers, 2, 0, dtype=torch.int64)
+        return torch.stack(self.addresses, dim=-1)
 
     def _views(self, req_ids, seq_lens, decodes) -> list[ChunkView]:
         decode_of = {req_ids[seq]: (row, seq_lens[seq]) for row, seq in enumerate(decodes)}

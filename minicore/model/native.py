@@ -69,10 +69,13 @@ def native_kernels() -> ctypes.CDLL | None:
     lib.decode_values.argtypes = _COMMON + [_I64, _P, _I, _I]
     lib.decode_scores.restype = lib.decode_values.restype = None
     lib.linear_rows.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I]
-    lib.linear_rows_bf16.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
+    lib.linear_rows_bf16.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I]
     lib.linear_rows.restype = lib.linear_rows_bf16.restype = _I
+    lib.rms_norm.argtypes = [_P, _P, _P, _I, _I, _F, _I, _I]
+    lib.rotary.argtypes = [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I, _I, _I, _I, _I]
+    lib.rms_norm.restype = lib.rotary.restype = None
     # Whether bfloat16 products run on the CPU's own instructions (AVX512-BF16), asked once.
-    lib.bf16_dot = lib.linear_rows_bf16(None, None, None, None, 0, 0, 0, 1) == 0
+    lib.bf16_dot = lib.linear_rows_bf16(None, None, None, None, 0, 0, 0, 1, 0) == 0
     return lib
 
 
@@ -144,29 +147,49 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, pointers: torch.Tensor,
     return out.to(q.dtype)
 
 
-def linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
-           bias: torch.Tensor | None) -> torch.Tensor:
+def linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[rows, in]``, ``weight`` contiguous, float32 or
-    bfloat16, summed in float32; the result is float32 (the caller rounds it, or, at the LM head,
-    keeps float32's logits). bfloat16 ``x`` and weight, on a CPU with AVX512-BF16, take its dot
-    products (``csrc/linear_bf16.c``)."""
+    bfloat16, summed in float32 and returned in ``out_dtype`` (rounded to nearest even; float32
+    keeps an LM head's logits unrounded). bfloat16 ``x`` and weight, on a CPU with AVX512-BF16,
+    take its dot products (``csrc/linear_bf16.c``), which round as they store."""
     if not weight.is_contiguous():
         raise ValueError("linear: the weight must be contiguous (row-major)")
     bias = None if bias is None else bias.float().contiguous()
+    bias_ptr = None if bias is None else bias.data_ptr()
     threads = torch.get_num_threads()
     if lib.bf16_dot and weight.dtype == x.dtype == torch.bfloat16:
         x = x.contiguous()
-        out = x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-        lib.linear_rows_bf16(x.data_ptr(), weight.data_ptr(),
-                             None if bias is None else bias.data_ptr(), out.data_ptr(),
-                             x.shape[0], weight.shape[0], x.shape[1], threads)
+        out = x.new_empty(x.shape[0], weight.shape[0], dtype=out_dtype)
+        lib.linear_rows_bf16(x.data_ptr(), weight.data_ptr(), bias_ptr, out.data_ptr(),
+                             *out.shape, x.shape[1], threads, out_dtype == torch.bfloat16)
         return out
     x = x.float().contiguous()
     out = x.new_empty(x.shape[0], weight.shape[0])
-    status = lib.linear_rows(x.data_ptr(), weight.data_ptr(),
-                             None if bias is None else bias.data_ptr(), out.data_ptr(),
-                             x.shape[0], weight.shape[0], x.shape[1], threads,
-                             KERNEL_DTYPES[weight.dtype])
+    status = lib.linear_rows(x.data_ptr(), weight.data_ptr(), bias_ptr, out.data_ptr(),
+                             *out.shape, x.shape[1], threads, KERNEL_DTYPES[weight.dtype])
     if status:
         raise MemoryError("linear_rows: out of memory")
+    return out.to(out_dtype)
+
+
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm of ``x`` (``[..., dim]``) with ``weight`` (``[dim]``), both contiguous and of
+    one of KERNEL_DTYPES (``csrc/rms_norm.c``)."""
+    out = torch.empty_like(x)
+    lib.rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1],
+                 x.shape[-1], eps, torch.get_num_threads(), KERNEL_DTYPES[x.dtype])
+    return out
+
+
+def rotary(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor) -> torch.Tensor:
+    """transformers' ``x * cos + rotate_half(x) * sin`` for ``x`` ``[1, heads, tokens, dim]``
+    (its last stride 1), ``cos`` and ``sin`` ``[1, tokens, dim]`` contiguous, all of one of
+    KERNEL_DTYPES: the same bits (``csrc/rotary.c``)."""
+    out = torch.empty_like(x)
+    _, heads, tokens, dim = x.shape
+    lib.rotary(x.data_ptr(), x.stride(1), x.stride(2), cos.data_ptr(), sin.data_ptr(),
+               out.data_ptr(), out.stride(1), out.stride(2), heads, tokens, dim,
+               torch.get_num_threads(), KERNEL_DTYPES[x.dtype])
     return out

@@ -7,8 +7,9 @@ only at the positions that sample (and, for requests that ask for prompt logprob
 positions), and samples with minicore/model/sampler.py. The sampling metadata is rebuilt each step
 from the request states (SamplingMetadata.from_states; vLLM keeps it in its persistent InputBatch).
 What is optional is chosen once, in __init__: how decode attention reads keys (on CPU per-request
-rows, minicore/model/decode_kv.py; else attention.py's gather) and the CPU linear layers, both
-for every row and every token with --batch-invariant (docs/ARCHITECTURE.md); the
+rows, minicore/model/decode_kv.py; else attention.py's gather), the CPU linear layers, both
+for every row and every token with --batch-invariant (docs/ARCHITECTURE.md), and the CPU norms
+and rotary embedding (minicore/model/cpu_layers.py); the
 logprobs a request asks for come from a component (minicore/model/logprobs.py) that knows which
 requests asked; with speculative decoding, the sampling step verifies each request's drafts
 (minicore/model/rejection_sampler.py), which the state update appends to its token ids as vLLM
@@ -31,6 +32,7 @@ from minicore.model.attention import (
     kv_cache_shape,
     use_paged_attention,
 )
+from minicore.model.cpu_layers import use_cpu_layers
 from minicore.model.cpu_linear import use_cpu_linear
 from minicore.model.cpu_memory import keep_freed_memory
 from minicore.model.decode_kv import DecodeKVBuffers
@@ -72,6 +74,7 @@ class ModelRunner(ModelRunnerBase):
         if self.device.type == "cpu":
             keep_freed_memory()
             use_cpu_linear(model, native_kernels(), self.batch_invariant)
+            use_cpu_layers(model, native_kernels())
         # The base model gives hidden states; the head runs only on sampling positions.
         self.base_model = model.base_model
         self.lm_head = model.get_output_embeddings()

@@ -144,6 +144,24 @@ def test_linear_matches_f_linear(rows, out_features, in_features, bias, dtype, b
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows,out_features", [(1, 7), (5, 64), (130, 13)])
+def test_linear_rounds_to_bfloat16_as_torch_does(rows, out_features, bf16_path):
+    """A bfloat16 result, rounded as the kernel stores it, is its float32 result rounded by
+    torch (to nearest, ties to even), whichever path computes it."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen).bfloat16()
+    w = torch.randn(out_features, 96, generator=gen).bfloat16()
+    b = torch.randn(out_features, generator=gen)
+    out = native.linear(bf16_path, x, w, b, torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    assert torch.equal(out, native.linear(bf16_path, x, w, b).bfloat16())
+    # Exact ties, the last kept bit odd and even: a zero weight leaves the bias as the sum.
+    ties = (torch.arange(0x3f80, 0x3f80 + out_features, dtype=torch.int32) << 16 | 0x8000)
+    ties = ties.view(torch.float32)
+    out = native.linear(bf16_path, x, torch.zeros_like(w), ties, torch.bfloat16)
+    assert torch.equal(out, ties.bfloat16().expand(rows, -1))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_linear_rows_result_is_the_same_whatever_the_rows_beside_it(dtype, bf16_path):
     """Batch invariance at the kernel: each row's output, bit for bit, alone, among 7, 100 and

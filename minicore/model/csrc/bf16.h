@@ -32,3 +32,26 @@ INLINE v8 elems8(const void *p, int64_t i, int bf16) {
 INLINE int64_t elem_size(int bf16) {
     return bf16 ? 2 : 4;
 }
+
+/* f rounded to the storage's type (bfloat16: to nearest, ties to even, as torch rounds; NaN
+ * stays NaN), as a float32. */
+INLINE float rounded(float f, int bf16) {
+    if (!bf16 || f != f)
+        return f;
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u = (u + 0x7fff + ((u >> 16) & 1)) & 0xffff0000u;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Store f, already rounded(f, bf16), at p[i]. */
+INLINE void put(void *p, int64_t i, float f, int bf16) {
+    if (!bf16) {
+        ((float *)p)[i] = f;
+        return;
+    }
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
+}

@@ -6,22 +6,42 @@
 
 #include "bf16.h"
 
-/* a . b for a float32 query row and a key row of the pool's type. */
-INLINE float dot(const float *a, const void *b, int n, int bf16) {
-    /* Two accumulators: one would chain every multiply-add on the one before. */
-    v8 acc0 = {0}, acc1 = {0};
+/* The sums of eight vectors' lanes, [sum a0, ..., sum a7]: lanes paired (0 + 1), then pairs
+ * paired, then halves, so every sum has the tree ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+ * whichever vectors share the instructions. */
+INLINE v8 pair_sums(v8 a, v8 b) {
+    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) +
+           __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
+INLINE v8 sum8(const v8 *acc) {
+    return pair_sums(pair_sums(pair_sums(acc[0], acc[1]), pair_sums(acc[2], acc[3])),
+                     pair_sums(pair_sums(acc[4], acc[5]), pair_sums(acc[6], acc[7])));
+}
+
+/* out[j] = a . b_j for a float32 query row and the eight key rows from b on (a row every
+ * `stride` bytes; the rows past `count` repeat the last and are not stored): eight lanes per
+ * dot product, one sum8 tree, the features past the last multiple of eight added after it in
+ * order. Each dot product is computed the same way whichever rows share the call. */
+INLINE void dot8(const float *a, const char *b, int64_t stride, int count, int n, float *out,
+                 int bf16) {
+    const char *rows[8];
+    for (int j = 0; j < 8; j++)
+        rows[j] = b + (j < count ? j : count - 1) * stride;
+    v8 acc[8] = {{0}};
     int d = 0;
-    for (; d + 16 <= n; d += 16) {
-        acc0 += *(const v8 *)(a + d) * elems8(b, d, bf16);
-        acc1 += *(const v8 *)(a + d + 8) * elems8(b, d + 8, bf16);
+    for (; d + 8 <= n; d += 8) {
+        v8 x = *(const v8 *)(a + d);
+        for (int j = 0; j < 8; j++)
+            acc[j] += x * elems8(rows[j], d, bf16);
     }
-    for (; d + 8 <= n; d += 8)
-        acc0 += *(const v8 *)(a + d) * elems8(b, d, bf16);
-    v8 acc = acc0 + acc1;
-    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (; d < n; d++)
-        s += a[d] * elem(b, d, bf16);
-    return s;
+    v8 sums = sum8(acc);
+    for (int j = 0; j < count; j++) {
+        float s = sums[j];
+        for (int e = d; e < n; e++)
+            s += a[e] * elem(rows[j], e, bf16);
+        out[j] = s;
+    }
 }
 
 /* First position attended to: len - window with a sliding window, else 0. */
@@ -57,60 +77,72 @@ INLINE span chunk_span(const reads *r, int64_t b, int64_t c, int64_t first, int6
 
 /* scores[b, h, g, p] = scale * q[b, h, g] . key(b, h, p) for p in [first, len), -inf elsewhere;
  * first = len - window when window > 0. softcap > 0 caps: cap * tanh(s / cap). */
-INLINE void scores_of(const reads *r, int bh, const float *q, float scale, float softcap,
+INLINE void scores_of(const reads *r, int bhg, const float *q, float scale, float softcap,
                       float *scores, int bf16) {
-    int b = bh / r->heads, h = bh % r->heads, group = r->group, dim = r->dim;
+    int bh = bhg / r->group, b = bh / r->heads, h = bh % r->heads, dim = r->dim;
     int64_t len = r->seq_lens[b], first = window_start(len, r->window), max_len = r->max_len;
-    const float *qb = q + (int64_t)bh * group * dim;
-    float *out = scores + (int64_t)bh * group * max_len;
-    for (int64_t i = 0; i < group * max_len; i++)
+    const float *qg = q + (int64_t)bhg * dim;
+    float *out = scores + (int64_t)bhg * max_len;
+    int64_t row_bytes = dim * elem_size(bf16);
+    for (int64_t i = 0; i < max_len; i++)
         out[i] = -INFINITY;
     for (int64_t c = first / r->chunk; c * r->chunk < len; c++) {
         span s = chunk_span(r, b, c, first, len, h, bf16);
-        const char *k = s.rows;
-        for (int64_t p = s.start; p < s.end; p++, k += dim * elem_size(bf16))
-            for (int g = 0; g < group; g++) {
-                float x = dot(qb + g * dim, k, dim, bf16) * scale;
-                out[g * max_len + p] = softcap > 0 ? softcap * tanhf(x / softcap) : x;
+        for (int64_t p = s.start; p < s.end; p += 8) {
+            int count = s.end - p < 8 ? (int)(s.end - p) : 8;
+            dot8(qg, s.rows + (p - s.start) * row_bytes, row_bytes, count, dim, out + p, bf16);
+            for (int j = 0; j < count; j++) {
+                float x = out[p + j] * scale;
+                out[p + j] = softcap > 0 ? softcap * tanhf(x / softcap) : x;
             }
+        }
     }
 }
 
-/* out[b, h, g] = sum over p in [first, len) of probs[b, h, g, p] * value(b, h, p). */
-INLINE void values_of(const reads *r, int bh, const float *probs, float *out, int bf16) {
-    int b = bh / r->heads, h = bh % r->heads, group = r->group, dim = r->dim;
-    int64_t len = r->seq_lens[b], first = window_start(len, r->window), max_len = r->max_len;
-    const float *pb = probs + (int64_t)bh * group * max_len;
-    float *ob = out + (int64_t)bh * group * dim;
-    memset(ob, 0, sizeof(float) * group * dim);
-    for (int64_t c = first / r->chunk; c * r->chunk < len; c++) {
-        span s = chunk_span(r, b, c, first, len, h, bf16);
-        const char *v = s.rows;
-        for (int64_t p = s.start; p < s.end; p++, v += dim * elem_size(bf16))
-            for (int g = 0; g < group; g++) {
-                float w = pb[g * max_len + p], *o = ob + g * dim;
-                int d = 0;
-                for (; d + 8 <= dim; d += 8)
-                    *(v8 *)(o + d) += w * elems8(v, d, bf16);
-                for (; d < dim; d++)
-                    o[d] += w * elem(v, d, bf16);
+/* out[b, h, g] = sum over p in [first, len) of probs[b, h, g, p] * value(b, h, p): each element
+ * summed over the positions in order, 64 features at a time held in registers. */
+INLINE void values_of(const reads *r, int bhg, const float *probs, float *out, int bf16) {
+    int bh = bhg / r->group, b = bh / r->heads, h = bh % r->heads, dim = r->dim;
+    int64_t len = r->seq_lens[b], first = window_start(len, r->window);
+    const float *pg = probs + (int64_t)bhg * r->max_len;
+    float *og = out + (int64_t)bhg * dim;
+    int64_t row_bytes = dim * elem_size(bf16);
+    for (int d0 = 0; d0 < dim; d0 += 64) {
+        int vectors = (dim - d0 < 64 ? dim - d0 : 64) / 8, end = d0 + 64 < dim ? d0 + 64 : dim;
+        v8 acc[8] = {{0}};
+        float tail[7] = {0};
+        for (int64_t c = first / r->chunk; c * r->chunk < len; c++) {
+            span s = chunk_span(r, b, c, first, len, h, bf16);
+            const char *v = s.rows;
+            for (int64_t p = s.start; p < s.end; p++, v += row_bytes) {
+                float w = pg[p];
+                for (int j = 0; j < 8; j++)
+                    if (j < vectors)
+                        acc[j] += w * elems8(v, d0 + 8 * j, bf16);
+                for (int e = d0 + 8 * vectors; e < end; e++)
+                    tail[e - d0 - 8 * vectors] += w * elem(v, e, bf16);
             }
+        }
+        for (int j = 0; j < vectors; j++)
+            memcpy(og + d0 + 8 * j, &acc[j], sizeof acc[j]);
+        for (int e = d0 + 8 * vectors; e < end; e++)
+            og[e] = tail[e - d0 - 8 * vectors];
     }
 }
 
-/* The entry points, over every (request, KV head): pools of float32 (bf16 = 0) or bfloat16
+/* The entry points, over every (request, KV head, query head of its group): pools of float32 (bf16 = 0) or bfloat16
  * (bf16 = 1), the type chosen per row so that each inlined body has it constant. */
 void decode_scores(const float *q, const int64_t *key_pools, const int64_t *slots,
                    const int64_t *seq_lens, int batch, int heads, int group, int dim,
                    int chunk, int max_chunks, int max_len, float scale, float softcap,
                    int64_t window, float *scores, int threads, int bf16) {
     reads r = {key_pools, slots, seq_lens, heads, group, dim, chunk, max_chunks, max_len, window};
-#pragma omp parallel for schedule(dynamic, 4) num_threads(threads)
-    for (int bh = 0; bh < batch * heads; bh++) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int bhg = 0; bhg < batch * heads * group; bhg++) {
         if (bf16)
-            scores_of(&r, bh, q, scale, softcap, scores, 1);
+            scores_of(&r, bhg, q, scale, softcap, scores, 1);
         else
-            scores_of(&r, bh, q, scale, softcap, scores, 0);
+            scores_of(&r, bhg, q, scale, softcap, scores, 0);
     }
 }
 
@@ -120,11 +152,11 @@ void decode_values(const float *probs, const int64_t *value_pools, const int64_t
                    int threads, int bf16) {
     reads r = {value_pools, slots, seq_lens, heads, group, dim, chunk, max_chunks, max_len,
                window};
-#pragma omp parallel for schedule(dynamic, 4) num_threads(threads)
-    for (int bh = 0; bh < batch * heads; bh++) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int bhg = 0; bhg < batch * heads * group; bhg++) {
         if (bf16)
-            values_of(&r, bh, probs, out, 1);
+            values_of(&r, bhg, probs, out, 1);
         else
-            values_of(&r, bh, probs, out, 0);
+            values_of(&r, bhg, probs, out, 0);
     }
 }

@@ -1,5 +1,5 @@
 /* Linear layers of bfloat16 models on CPUs with AVX512-BF16: out = x W^T (+ bias), x and W
- * bfloat16, out float32, by VDPBF16PS (two bfloat16 products summed into each float32 lane).
+ * bfloat16, out float32 or rounded to bfloat16 (out_bf16), by VDPBF16PS (two bfloat16 products summed into each float32 lane).
  * Each output element is the dot product of its weight row and its row of x: 16 lanes, lane i
  * summing features 32j + 2i and 32j + 2i + 1 over j, then one fixed horizontal sum (four at a
  * time: sum4); the same
@@ -30,12 +30,20 @@ static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
 }
 
+/* Four float32s rounded to the nearest bfloat16, ties to even (torch's rounding; NaN aside). */
+static inline __m128i round_bf16(__m128 v) {
+    __m128i u = _mm_castps_si128(v);
+    __m128i odd = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
+    u = _mm_srli_epi32(_mm_add_epi32(u, _mm_add_epi32(odd, _mm_set1_epi32(0x7fff))), 16);
+    return _mm_packus_epi32(u, u);
+}
+
 /* out[m0 + c][n0 + r] for r < rows, c < C: C rows of x against 4 weight rows (a last block's
  * missing weight rows read its first row: computed, never stored). */
 static inline __attribute__((always_inline)) void block(const uint16_t *x, const uint16_t *w,
-                                                        const float *bias, float *out, int n_len,
+                                                        const float *bias, void *out, int n_len,
                                                         int k_len, int n0, int rows, int m0,
-                                                        const int C) {
+                                                        const int C, int out_bf16) {
     const uint16_t *wr[R], *xr[4];
     for (int r = 0; r < R; r++)
         wr[r] = w + (int64_t)(n0 + (r < rows ? r : 0)) * k_len;
@@ -69,14 +77,19 @@ static inline __attribute__((always_inline)) void block(const uint16_t *x, const
     }
     __mmask8 stored = (1u << rows) - 1;
     __m128 b = bias ? _mm_maskz_loadu_ps(stored, bias + n0) : _mm_setzero_ps();
-    for (int c = 0; c < C; c++)
-        _mm_mask_storeu_ps(out + (int64_t)(m0 + c) * n_len + n0, stored,
-                           _mm_add_ps(sum4(acc[0][c], acc[1][c], acc[2][c], acc[3][c]), b));
+    for (int c = 0; c < C; c++) {
+        __m128 sums = _mm_add_ps(sum4(acc[0][c], acc[1][c], acc[2][c], acc[3][c]), b);
+        int64_t at = (int64_t)(m0 + c) * n_len + n0;
+        if (out_bf16)
+            _mm_mask_storeu_epi16((uint16_t *)out + at, stored, round_bf16(sums));
+        else
+            _mm_mask_storeu_ps((float *)out + at, stored, sums);
+    }
 }
 
 /* 0, or -2 where this CPU (this build) has no AVX512-BF16. */
-int linear_rows_bf16(const uint16_t *x, const uint16_t *w, const float *bias, float *out,
-                     int m_len, int n_len, int k_len, int threads) {
+int linear_rows_bf16(const uint16_t *x, const uint16_t *w, const float *bias, void *out,
+                     int m_len, int n_len, int k_len, int threads, int out_bf16) {
     int blocks = (n_len + R - 1) / R;
     for (int s0 = 0; s0 < m_len; s0 += SLAB) {
         int s1 = m_len - s0 < SLAB ? m_len : s0 + SLAB;
@@ -85,20 +98,21 @@ int linear_rows_bf16(const uint16_t *x, const uint16_t *w, const float *bias, fl
             int n0 = nb * R, rows = n_len - n0 < R ? n_len - n0 : R;
             int m0 = s0;
             for (; m0 + 4 <= s1; m0 += 4)
-                block(x, w, bias, out, n_len, k_len, n0, rows, m0, 4);
+                block(x, w, bias, out, n_len, k_len, n0, rows, m0, 4, out_bf16);
             switch (s1 - m0) {
-            case 3: block(x, w, bias, out, n_len, k_len, n0, rows, m0, 3); break;
-            case 2: block(x, w, bias, out, n_len, k_len, n0, rows, m0, 2); break;
-            case 1: block(x, w, bias, out, n_len, k_len, n0, rows, m0, 1); break;
+            case 3: block(x, w, bias, out, n_len, k_len, n0, rows, m0, 3, out_bf16); break;
+            case 2: block(x, w, bias, out, n_len, k_len, n0, rows, m0, 2, out_bf16); break;
+            case 1: block(x, w, bias, out, n_len, k_len, n0, rows, m0, 1, out_bf16); break;
             }
         }
     }
     return 0;
 }
 #else
-int linear_rows_bf16(const uint16_t *x, const uint16_t *w, const float *bias, float *out,
-                     int m_len, int n_len, int k_len, int threads) {
+int linear_rows_bf16(const uint16_t *x, const uint16_t *w, const float *bias, void *out,
+                     int m_len, int n_len, int k_len, int threads, int out_bf16) {
     (void)x, (void)w, (void)bias, (void)out, (void)m_len, (void)n_len, (void)k_len, (void)threads;
+    (void)out_bf16;
     return -2;
 }
 #endif
