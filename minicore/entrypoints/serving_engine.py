@@ -169,7 +169,7 @@ class OpenAIServingBase:
         """The engine request for one prompt; param names the prompt's field in errors. The
         context length is checked first, as OpenAI words it (with the completion's tokens)."""
         token_ids = await self.tokenize(prompt, request.add_special_tokens, param)
-        self._check_context_length(len(token_ids), params, param)
+        self._check_context_length(len(token_ids), params, param, request.field_of("max_tokens"))
         try:
             return self.client.input_processor.process_inputs(
                 request_id, token_ids, params, priority=request.priority, data_parallel_rank=rank)
@@ -177,23 +177,25 @@ class OpenAIServingBase:
             name = param if e.param == "prompt" else request.field_of(e.param or "")
             raise OpenAIError(str(e), 400, name) from None
 
-    def _check_context_length(self, num: int, params: SamplingParams, param: str) -> None:
-        """OpenAI's rule: prompt and completion together must fit in the context (the prompt
-        as truncate_prompt_tokens leaves it, as vLLM's get_max_tokens counts it)."""
+    def _check_context_length(self, num: int, params: SamplingParams, param: str,
+                              max_tokens_param: str) -> None:
+        """vLLM's rule (get_max_tokens): the prompt must leave room for a token, max_tokens may
+        not exceed the context alone, and it is clamped to the room the prompt leaves (the
+        prompt as truncate_prompt_tokens leaves it)."""
         if (limit := params.truncate_prompt_tokens) is not None:
             num = min(num, self.max_model_len if limit == -1 else limit)
-        if params.max_tokens is None:
-            if num >= self.max_model_len:
-                raise OpenAIError(
-                    f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                    f"your request has {num} input tokens. Please reduce the length of the input.",
-                    400, param)
-        elif num + params.max_tokens > self.max_model_len:
+        if num >= self.max_model_len:
             raise OpenAIError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {num + params.max_tokens} tokens ({num} in the prompt, "
-                f"{params.max_tokens} in the completion). Please reduce the length of the prompt "
-                "or completion.", 400, param)
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your request has {num} input tokens. Please reduce the length of the input.",
+                400, param)
+        if params.max_tokens is None:
+            return
+        if params.max_tokens > self.max_model_len:
+            raise OpenAIError(
+                f"{max_tokens_param} is too large: {params.max_tokens}. This model's maximum "
+                f"context length is {self.max_model_len} tokens.", 400, max_tokens_param)
+        params.max_tokens = min(params.max_tokens, self.max_model_len - num)
 
     def _data_parallel_rank(self, header: str | None) -> int | None:
         if header is None:

@@ -27,10 +27,12 @@ from minicore.model.runner_base import CachedRequestState
 from minicore.model.sampler import (
     LogprobsTensors,
     SamplingMetadata,
+    apply_grammar_bitmask,
     apply_logits_processors,
     compute_logprobs,
     gather_logprobs,
     processed_probs,
+    take_grammar_rows,
 )
 from minicore.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
@@ -47,11 +49,13 @@ def position_states(state: CachedRequestState) -> list[CachedRequestState]:
     """One state per position of a request whose token_ids end with its k drafts: at position j
     its token ids end with d0..dj-1, so the logits processors count them as outputs. The last
     (the bonus position, the only one without drafts) is the state itself: nothing copied."""
-    known = len(state.token_ids) - len(state.spec_token_ids)
+    known, k = len(state.token_ids) - len(state.spec_token_ids), len(state.spec_token_ids)
+    grammar = state.grammar_bitmask
     return [CachedRequestState(state.token_ids[:known + j], state.block_ids,
                                state.num_computed_tokens, state.sampling_params,
-                               state.num_prompt_tokens, state.eos_token_id)
-            for j in range(len(state.spec_token_ids))] + [state]
+                               state.num_prompt_tokens, state.eos_token_id,
+                               grammar_bitmask=grammar and grammar.before(k - j))
+            for j in range(k)] + [state]
 
 
 def rejection_sample(logits: torch.Tensor, meta: SamplingMetadata, drafts: list[list[int]],
@@ -146,6 +150,7 @@ class SpecDecodeSampler:
             state = requests[req_id]
             state.token_ids.extend(draft_token_ids)
             state.spec_token_ids = draft_token_ids
+        take_grammar_rows(so, requests)
 
     def __call__(self, hidden: torch.Tensor, query_start_loc: list[int],
                  states: list[CachedRequestState], rows: list[int],
@@ -154,12 +159,12 @@ class SpecDecodeSampler:
         positions = [pos for row, state in zip(rows, sampling)
                      for pos in range(query_start_loc[row + 1] - 1 - len(state.spec_token_ids),
                                       query_start_loc[row + 1])]
-        meta = SamplingMetadata.from_states(
-            [s for state in sampling for s in position_states(state)], self.vocab_size,
-            self.device)
+        per_position = [s for state in sampling for s in position_states(state)]
+        meta = SamplingMetadata.from_states(per_position, self.vocab_size, self.device)
         generators = {i: s.generator for i, s in enumerate(sampling) if s.generator is not None}
-        result = rejection_sample(self.logits(hidden[positions]), meta,
-                                  [s.spec_token_ids for s in sampling], generators)
+        logits = self.logits(hidden[positions])
+        apply_grammar_bitmask(logits, per_position)
+        result = rejection_sample(logits, meta, [s.spec_token_ids for s in sampling], generators)
         for row, state, token_ids in zip(rows, sampling, result.token_ids):
             del state.token_ids[len(state.token_ids) - len(state.spec_token_ids):]
             state.token_ids.extend(token_ids)

@@ -59,7 +59,8 @@ class CachedRequestState:
     # This step's draft tokens (speculative decoding), which token_ids ends with until the
     # rejection sampler puts the step's outputs in their place (vLLM: InputBatch.spec_token_ids).
     spec_token_ids: list[int] = field(default_factory=list)
-    # Structured outputs: this step's grammar bitmask row (the tokens it may sample), or None.
+    # Structured outputs: this step's grammar bitmask row (the tokens it may sample; sampler.py's
+    # GrammarRow), or None.
     grammar_bitmask: Any = None
 
     def min_tokens_blocked_ids(self) -> list[int]:

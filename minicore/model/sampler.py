@@ -18,6 +18,7 @@ processed_probs. Left out: logprobs modes other than raw_logprobs, logprob_token
 processors, FlashInfer kernels.
 """
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -247,11 +248,31 @@ def _mask_pairs(logits: torch.Tensor, rows: list[int], token_ids: list[int]) -> 
                torch.tensor(token_ids, device=logits.device)] = _NEG_INF
 
 
+@dataclass(slots=True, frozen=True)
+class GrammarRow:
+    """A position's row of a step's grammar bitmask, which the scheduler may fill after the
+    forward started (SchedulerOutput.grammar_filled: async scheduling, a token in flight)."""
+    bitmask: torch.Tensor  # [rows, ceil(V / 32)] int32, the step's
+    index: int
+    filled: threading.Event | None = None
+
+    def allowed(self) -> torch.Tensor:
+        if self.filled is not None:
+            self.filled.wait()
+        return self.bitmask[self.index]
+
+    def before(self, positions: int) -> "GrammarRow":
+        """The row of the position ``positions`` before this one (a draft's)."""
+        return GrammarRow(self.bitmask, self.index - positions, self.filled)
+
+
 def take_grammar_rows(so: SchedulerOutput, requests: dict[str, CachedRequestState]) -> None:
-    """A structured request's allowed tokens this step: its row of the step's grammar bitmask
-    (before the forward; apply_grammar_bitmask reads it)."""
-    for req_id, row in so.structured_output_request_ids.items():
-        requests[req_id].grammar_bitmask = so.grammar_bitmask[row]
+    """Before the forward: each structured request's row of the step's grammar bitmask for the
+    token it samples, after one per draft it verifies (apply_grammar_bitmask reads them)."""
+    for req_id, first in so.structured_output_request_ids.items():
+        drafts = so.scheduled_spec_decode_tokens.get(req_id, ())
+        requests[req_id].grammar_bitmask = GrammarRow(so.grammar_bitmask, first + len(drafts),
+                                                      so.grammar_filled)
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, states: Sequence[CachedRequestState]) -> None:
@@ -263,7 +284,7 @@ def apply_grammar_bitmask(logits: torch.Tensor, states: Sequence[CachedRequestSt
     if not rows:
         return
     index = torch.tensor([row for row, _ in rows], device=logits.device)
-    bits = torch.stack([bitmask for _, bitmask in rows]).to(logits.device)
+    bits = torch.stack([grammar.allowed() for _, grammar in rows]).to(logits.device)
     allowed = ((bits.unsqueeze(-1) >> _BIT_SHIFTS.to(logits.device)) & 1).reshape(len(rows), -1)
     forbidden = allowed[:, :logits.shape[-1]] == 0
     logits[index] = logits[index].masked_fill(forbidden, _NEG_INF)

@@ -7,6 +7,7 @@ preemption is sent as new (with all its token ids), so the runner keeps no state
 preemption. Left out: encoder inputs.
 """
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,8 +65,14 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # Structured outputs: each structured request's row in grammar_bitmask, a [rows, ceil(V / 32)]
     # int32 tensor of allowed-token bits (vLLM: GrammarOutput); empty and None without any.
+    # A request's first row; with drafts it has one per draft and then its own.
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: Any = None
+    # Scheduled while a structured request's previous token was in flight (async scheduling): the
+    # bitmask is filled once that token is back, and grammar_filled set then; the runner waits
+    # for it before it samples (vLLM: pending_structured_output_tokens).
+    pending_structured_output_tokens: bool = False
+    grammar_filled: threading.Event | None = None
 
 
 @dataclass(slots=True)

@@ -10,9 +10,11 @@ minicore's own: CompiledGrammarCache); the scheduler calls promote_compiled, gra
 accept_tokens (minicore/scheduler/structured_output.py). The runner's sampler masks the logits
 with the bitmask (minicore/model/sampler.py). xgrammar and its tokenizer table load on the first
 structured request.
-Left out: the guidance and outlines backends, structural tags, reasoning parsers, and drafts
-(structured outputs are refused with speculative decoding and with async scheduling, whose next
-step is scheduled before the matcher has seen this step's token).
+With drafts a request gets a bitmask row per position it verifies (the matcher advanced through
+its drafts, then rolled back); with async scheduling a step scheduled before the token in flight
+is back has its bitmask filled when the update brings that token, while its forward runs (the
+runner waits for it before it samples). Left out: the guidance and outlines backends, reasoning
+parsers.
 """
 
 import logging
@@ -94,6 +96,9 @@ class StructuredOutputManager(SkipsUncompiled):
         self._structured: list[Request] = []
         # Requests whose grammar did not compile, with the error, until the next update ends them.
         self._failed: list[tuple[Request, str]] = []
+        # Steps scheduled before a structured request's token in flight was back, oldest first,
+        # with the structured requests they scheduled: their bitmasks wait for those tokens.
+        self._pending: list[tuple[SchedulerOutput, dict[str, Request]]] = []
         self.scheduler_side = self
 
     def grammar_init(self, request: Request) -> None:
@@ -153,31 +158,77 @@ class StructuredOutputManager(SkipsUncompiled):
 
     def grammar_bitmask(self, scheduler_output: SchedulerOutput,
                         requests: dict[str, Request]) -> None:
-        """A bitmask row for each scheduled request with a matcher (vLLM: get_grammar_bitmask)."""
+        """Bitmask rows for each scheduled request with a matcher (vLLM: get_grammar_bitmask): one
+        per draft it verifies and one for its own token. A step scheduled while such a request's
+        previous token is still in flight (async scheduling) has them filled when that token is
+        back (accept_tokens), and the runner waits for them before it samples (vLLM:
+        pending_structured_output_tokens)."""
         if not self._structured:
             return
         self._structured = [r for r in self._structured if not r.is_finished()]
-        scheduled = scheduler_output.num_scheduled_tokens
-        rows = {r.request_id: n for n, r in enumerate(
-            r for r in self._structured if r.request_id in scheduled
-            and requests.get(r.request_id) is r)}
-        if not rows:
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        scheduled = {r.request_id: r for r in self._structured
+                     if r.request_id in scheduler_output.num_scheduled_tokens
+                     and requests.get(r.request_id) is r}
+        if not scheduled:
             return
         import xgrammar as xgr
 
-        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)  # all tokens allowed
-        for req_id, row in rows.items():
-            matcher = requests[req_id].structured_output_request.matcher
+        rows, first = {}, 0
+        for req_id in scheduled:
+            rows[req_id] = first
+            first += 1 + len(drafts.get(req_id, ()))
+        scheduler_output.structured_output_request_ids = rows
+        scheduler_output.grammar_bitmask = xgr.allocate_token_bitmask(first, self.vocab_size)
+        if any(r.num_output_placeholders > 1 for r in scheduled.values()):
+            # Past the placeholder this step samples: a token the matcher has not seen yet.
+            scheduler_output.pending_structured_output_tokens = True
+            scheduler_output.grammar_filled = threading.Event()
+            self._pending.append((scheduler_output, scheduled))
+        else:
+            self._fill(scheduler_output, scheduled)
+
+    def _fill(self, scheduler_output: SchedulerOutput, scheduled: dict[str, Request]) -> None:
+        """Each row: the tokens the matcher allows after the request's tokens and its drafts
+        before that position; the matcher is rolled back after. Rows past a draft the grammar
+        refuses, or past the grammar's end, allow every token: the draft is rejected there (its
+        row forbids it), so those positions are never sampled."""
+        bitmask = scheduler_output.grammar_bitmask
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        for req_id, first in scheduler_output.structured_output_request_ids.items():
+            request = scheduled[req_id]
+            if request.is_finished():
+                continue
+            matcher = request.structured_output_request.matcher
+            advanced = 0
             # A grammar ends on its stop token; a request that goes on past it (ignore_eos, or a
             # stop token the request does not stop on) is free from then on, as in vLLM.
-            if not matcher.is_terminated():
-                matcher.fill_next_token_bitmask(bitmask, row)
-        scheduler_output.structured_output_request_ids = rows
-        scheduler_output.grammar_bitmask = bitmask
+            for row, token_id in enumerate([*drafts.get(req_id, ()), None]):
+                if matcher.is_terminated():
+                    break
+                matcher.fill_next_token_bitmask(bitmask, first + row)
+                if token_id is None or not matcher.accept_token(token_id):
+                    break
+                advanced += 1
+            if advanced:
+                matcher.rollback(advanced)
+
+    def _fill_pending(self) -> None:
+        """Fill the steps whose requests' tokens in flight are all back (at most the one this
+        step samples left), in order."""
+        while self._pending:
+            scheduler_output, scheduled = self._pending[0]
+            if any(not r.is_finished() and r.num_output_placeholders > 1
+                   for r in scheduled.values()):
+                return
+            self._pending.pop(0)
+            self._fill(scheduler_output, scheduled)
+            scheduler_output.grammar_filled.set()
 
     def accept_tokens(self, outputs: list[EngineCoreOutput],
                       requests: dict[str, Request]) -> Sequence[str]:
         if not self._structured:
+            self._fill_pending()
             return ()
         for output in outputs:
             so_request = requests[output.request_id].structured_output_request
@@ -188,6 +239,7 @@ class StructuredOutputManager(SkipsUncompiled):
                     logger.error("request %r: the grammar refused token %d", output.request_id,
                                  token_id)
                     break
+        self._fill_pending()
         return self._end_failed(outputs) if self._failed else ()
 
     def _end_failed(self, outputs: list[EngineCoreOutput]) -> list[str]:
@@ -203,11 +255,15 @@ class StructuredOutputManager(SkipsUncompiled):
     def shutdown(self) -> None:
         for executor in (self.executor_small, self.executor_large):
             executor.shutdown(wait=False, cancel_futures=True)
+        # A forward waiting for its bitmask must not outlive the engine.
+        for scheduler_output, _ in self._pending:
+            scheduler_output.grammar_filled.set()
+        self._pending.clear()
 
 
 class RefusedStructuredOutput:
-    """Where structured outputs cannot run (with drafts or async scheduling): a structured
-    request is refused at add_request, with the reason; the scheduler gets the do-nothing side."""
+    """Where structured outputs cannot run (a runner without logits): a structured request is
+    refused at add_request, with the reason; the scheduler gets the do-nothing side."""
     scheduler_side = NO_STRUCTURED_OUTPUT
 
     def __init__(self, reason: str):
@@ -242,13 +298,7 @@ def cache_limit_mb() -> int:
 def structured_outputs_unsupported(config, has_logits: bool) -> str | None:
     """What in this config structured outputs cannot run with: the InputProcessor refuses such
     requests with it, and the engine again."""
-    if not has_logits:
-        return "a runner without logits"
-    if config.speculative_config is not None:
-        return "--speculative-config"
-    if config.scheduler_config.async_scheduling:
-        return "--async-scheduling (start the server with --no-async-scheduling)"
-    return None
+    return None if has_logits else "a runner without logits"
 
 
 def _make_compiler(tokenizer, vocab_size: int):

@@ -169,6 +169,12 @@ BAD_REQUESTS = [
      "BadRequestError", "top_p", "top_p must be in (0, 1]"),
     ("prompt-too-long", "/v1/completions", {"prompt": "hello " * 600, "max_tokens": 4}, 400,
      "BadRequestError", "prompt", f"maximum context length is {MAX_MODEL_LEN} tokens"),
+    ("max-tokens-over-the-context", "/v1/completions",
+     {"prompt": "hi", "max_tokens": MAX_MODEL_LEN + 1}, 400, "BadRequestError", "max_tokens",
+     f"max_tokens is too large: {MAX_MODEL_LEN + 1}"),
+    ("max-completion-tokens-over-the-context", "/v1/chat/completions",
+     {"messages": QUESTION, "max_completion_tokens": MAX_MODEL_LEN + 1}, 400,
+     "BadRequestError", "max_completion_tokens", "max_completion_tokens is too large"),
     ("unknown-model", "/v1/completions", {"prompt": "hi", "model": "gpt-17"}, 404,
      "NotFoundError", "model", "The model `gpt-17` does not exist."),
     ("wrong-type", "/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400,
@@ -195,10 +201,19 @@ def test_bad_request_gets_an_openai_error_and_the_server_still_serves(
     assert set(r.json()) == {"error"}
     assert (error["type"], error["param"], error["code"]) == (err_type, param, status)
     assert message in error["message"]
-    if param == "prompt" and "context length" in message:
-        assert "in the prompt, 4 in the completion" in error["message"]  # both lengths
     good = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 2
+
+
+def test_max_tokens_past_the_context_is_clamped_to_what_the_prompt_leaves(http):
+    """vLLM's get_max_tokens: a prompt of about 300 tokens and max_tokens 400 in a context of
+    512 runs to the context's end (length), not a 400."""
+    r = http.post("/v1/completions", json={"prompt": "hello " * 300, "max_tokens": 400,
+                                           "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == MAX_MODEL_LEN
+    assert r.json()["choices"][0]["finish_reason"] == "length"
 
 
 def test_wrong_or_missing_api_key_is_401(server):

@@ -1,7 +1,8 @@
 """Structured outputs in the engine core on the real default model: every kind of constraint
 (a JSON schema, json_object, a regex, choices, an EBNF grammar) is obeyed, with n > 1, logprobs,
 prefix caching and preemption; a request whose grammar fails in the engine ends alone with an
-error; a bad constraint is refused before it reaches the engine; refused pairs say why."""
+error; a bad constraint is refused before it reaches the engine; a runner without logits
+refuses them, saying why."""
 
 import json
 import re
@@ -184,20 +185,22 @@ def test_a_compile_whose_request_left_is_dropped_and_holds_nothing_back(llm):
     assert_idle(llm)
 
 
-@pytest.mark.parametrize("engine_args, reason", [
-    ({"async_scheduling": True}, "--async-scheduling"),
-    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
-     "--speculative-config"),
-])
-def test_refused_pairs_name_the_reason(hf_model_and_tokenizer, engine_args, reason):
-    model, tokenizer = hf_model_and_tokenizer
-    other = LLM(model, tokenizer=tokenizer, **ENGINE_ARGS, **engine_args)
-    with pytest.raises(InvalidRequestError, match=f"not supported with {re.escape(reason)}"):
-        other.generate(["x"], structured(choice=["a"]), use_tqdm=False)
-    request = Request("r", [1, 2], structured(choice=["a"]), eos_token_id=0)
-    with pytest.raises(ValueError, match=f"not supported with {re.escape(reason)}"):
-        other.llm_engine.add_request(request)
-    assert not other.llm_engine.scheduler.requests
+def test_a_runner_without_logits_refuses_them_naming_the_reason():
+    """Async scheduling and drafts run them (test_grammar_async_and_drafts.py); the simulated
+    runner, which has no logits to mask, refuses them at the frontend and at the engine."""
+    from minicore.config import create_engine_config
+    from minicore.engine.components import make_engine_core
+    from minicore.engine.input_processor import InputProcessor
+
+    config = create_engine_config(runner="simulated", max_model_len=256)
+    reason = "not supported with a runner without logits"
+    with pytest.raises(InvalidRequestError, match=reason):
+        InputProcessor(config, None, 256).process_inputs("r", [1, 2], structured(choice=["a"]))
+    engine = make_engine_core(config)
+    with pytest.raises(ValueError, match=reason):
+        engine.add_request(Request("r", [1, 2], structured(choice=["a"]), eos_token_id=0))
+    assert not engine.scheduler.requests
+    engine.shutdown()
 
 
 def test_the_structured_outputs_config_is_read(hf_model_and_tokenizer):

@@ -76,24 +76,29 @@ INLINE span chunk_span(const reads *r, int64_t b, int64_t c, int64_t first, int6
 }
 
 /* scores[b, h, g, p] = scale * q[b, h, g] . key(b, h, p) for p in [first, len), -inf elsewhere;
- * first = len - window when window > 0. softcap > 0 caps: cap * tanh(s / cap). */
-INLINE void scores_of(const reads *r, int bhg, const float *q, float scale, float softcap,
-                      float *scores, int bf16) {
-    int bh = bhg / r->group, b = bh / r->heads, h = bh % r->heads, dim = r->dim;
+ * first = len - window when window > 0. softcap > 0 caps: cap * tanh(s / cap). Each block of
+ * eight keys serves every query head of the group while it is in cache. */
+INLINE void scores_of(const reads *r, int bh, int g0, int g1, const float *q, float scale,
+                      float softcap, float *scores, int bf16) {
+    int b = bh / r->heads, h = bh % r->heads, dim = r->dim;
     int64_t len = r->seq_lens[b], first = window_start(len, r->window), max_len = r->max_len;
-    const float *qg = q + (int64_t)bhg * dim;
-    float *out = scores + (int64_t)bhg * max_len;
+    const float *qb = q + (int64_t)bh * r->group * dim;
+    float *out = scores + (int64_t)bh * r->group * max_len;
     int64_t row_bytes = dim * elem_size(bf16);
-    for (int64_t i = 0; i < max_len; i++)
+    for (int64_t i = g0 * max_len; i < g1 * max_len; i++)
         out[i] = -INFINITY;
     for (int64_t c = first / r->chunk; c * r->chunk < len; c++) {
         span s = chunk_span(r, b, c, first, len, h, bf16);
         for (int64_t p = s.start; p < s.end; p += 8) {
             int count = s.end - p < 8 ? (int)(s.end - p) : 8;
-            dot8(qg, s.rows + (p - s.start) * row_bytes, row_bytes, count, dim, out + p, bf16);
-            for (int j = 0; j < count; j++) {
-                float x = out[p + j] * scale;
-                out[p + j] = softcap > 0 ? softcap * tanhf(x / softcap) : x;
+            for (int g = g0; g < g1; g++) {
+                float *o = out + g * max_len + p;
+                dot8(qb + g * dim, s.rows + (p - s.start) * row_bytes, row_bytes, count, dim, o,
+                     bf16);
+                for (int j = 0; j < count; j++) {
+                    float x = o[j] * scale;
+                    o[j] = softcap > 0 ? softcap * tanhf(x / softcap) : x;
+                }
             }
         }
     }
@@ -101,48 +106,61 @@ INLINE void scores_of(const reads *r, int bhg, const float *q, float scale, floa
 
 /* out[b, h, g] = sum over p in [first, len) of probs[b, h, g, p] * value(b, h, p): each element
  * summed over the positions in order, 64 features at a time held in registers. */
-INLINE void values_of(const reads *r, int bhg, const float *probs, float *out, int bf16) {
-    int bh = bhg / r->group, b = bh / r->heads, h = bh % r->heads, dim = r->dim;
+INLINE void values_of(const reads *r, int bh, int g0, int g1, const float *probs, float *out,
+                      int bf16) {
+    int b = bh / r->heads, h = bh % r->heads, dim = r->dim;
     int64_t len = r->seq_lens[b], first = window_start(len, r->window);
-    const float *pg = probs + (int64_t)bhg * r->max_len;
-    float *og = out + (int64_t)bhg * dim;
     int64_t row_bytes = dim * elem_size(bf16);
-    for (int d0 = 0; d0 < dim; d0 += 64) {
-        int vectors = (dim - d0 < 64 ? dim - d0 : 64) / 8, end = d0 + 64 < dim ? d0 + 64 : dim;
-        v8 acc[8] = {{0}};
-        float tail[7] = {0};
-        for (int64_t c = first / r->chunk; c * r->chunk < len; c++) {
-            span s = chunk_span(r, b, c, first, len, h, bf16);
-            const char *v = s.rows;
-            for (int64_t p = s.start; p < s.end; p++, v += row_bytes) {
-                float w = pg[p];
-                for (int j = 0; j < 8; j++)
-                    if (j < vectors)
-                        acc[j] += w * elems8(v, d0 + 8 * j, bf16);
-                for (int e = d0 + 8 * vectors; e < end; e++)
-                    tail[e - d0 - 8 * vectors] += w * elem(v, e, bf16);
+    for (int g = g0; g < g1; g++) {
+        const float *pg = probs + ((int64_t)bh * r->group + g) * r->max_len;
+        float *og = out + ((int64_t)bh * r->group + g) * dim;
+        for (int d0 = 0; d0 < dim; d0 += 64) {
+            int end = d0 + 64 < dim ? d0 + 64 : dim, vectors = (end - d0) / 8;
+            v8 acc[8] = {{0}};
+            float tail[7] = {0};
+            for (int64_t c = first / r->chunk; c * r->chunk < len; c++) {
+                span s = chunk_span(r, b, c, first, len, h, bf16);
+                const char *v = s.rows;
+                for (int64_t p = s.start; p < s.end; p++, v += row_bytes) {
+                    float w = pg[p];
+                    for (int j = 0; j < 8; j++)
+                        if (j < vectors)
+                            acc[j] += w * elems8(v, d0 + 8 * j, bf16);
+                    for (int e = d0 + 8 * vectors; e < end; e++)
+                        tail[e - d0 - 8 * vectors] += w * elem(v, e, bf16);
+                }
             }
+            for (int j = 0; j < vectors; j++)
+                memcpy(og + d0 + 8 * j, &acc[j], sizeof acc[j]);
+            for (int e = d0 + 8 * vectors; e < end; e++)
+                og[e] = tail[e - d0 - 8 * vectors];
         }
-        for (int j = 0; j < vectors; j++)
-            memcpy(og + d0 + 8 * j, &acc[j], sizeof acc[j]);
-        for (int e = d0 + 8 * vectors; e < end; e++)
-            og[e] = tail[e - d0 - 8 * vectors];
     }
 }
 
-/* The entry points, over every (request, KV head, query head of its group): pools of float32 (bf16 = 0) or bfloat16
- * (bf16 = 1), the type chosen per row so that each inlined body has it constant. */
+/* Work items: a (request, KV head) with all its query heads, whose keys then serve each one
+ * while in cache; or, with fewer than two such items per thread (a decode of one or two
+ * requests), one query head each, so that every thread has work. The items do not change what
+ * any output sums, nor in which order. */
+static inline int group_split(int batch, int heads, int group, int threads) {
+    return batch * heads >= 2 * threads ? 1 : group;
+}
+
+/* The entry points: pools of float32 (bf16 = 0) or bfloat16 (bf16 = 1), the type chosen per item
+ * so that each inlined body has it constant. */
 void decode_scores(const float *q, const int64_t *key_pools, const int64_t *slots,
                    const int64_t *seq_lens, int batch, int heads, int group, int dim,
                    int chunk, int max_chunks, int max_len, float scale, float softcap,
                    int64_t window, float *scores, int threads, int bf16) {
     reads r = {key_pools, slots, seq_lens, heads, group, dim, chunk, max_chunks, max_len, window};
+    int split = group_split(batch, heads, group, threads), per = group / split;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int bhg = 0; bhg < batch * heads * group; bhg++) {
+    for (int i = 0; i < batch * heads * split; i++) {
+        int bh = i / split, g0 = i % split * per;
         if (bf16)
-            scores_of(&r, bhg, q, scale, softcap, scores, 1);
+            scores_of(&r, bh, g0, g0 + per, q, scale, softcap, scores, 1);
         else
-            scores_of(&r, bhg, q, scale, softcap, scores, 0);
+            scores_of(&r, bh, g0, g0 + per, q, scale, softcap, scores, 0);
     }
 }
 
@@ -152,11 +170,13 @@ void decode_values(const float *probs, const int64_t *value_pools, const int64_t
                    int threads, int bf16) {
     reads r = {value_pools, slots, seq_lens, heads, group, dim, chunk, max_chunks, max_len,
                window};
+    int split = group_split(batch, heads, group, threads), per = group / split;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int bhg = 0; bhg < batch * heads * group; bhg++) {
+    for (int i = 0; i < batch * heads * split; i++) {
+        int bh = i / split, g0 = i % split * per;
         if (bf16)
-            values_of(&r, bhg, probs, out, 1);
+            values_of(&r, bh, g0, g0 + per, probs, out, 1);
         else
-            values_of(&r, bhg, probs, out, 0);
+            values_of(&r, bh, g0, g0 + per, probs, out, 0);
     }
 }
