@@ -1,8 +1,9 @@
 """Structured outputs (issue 27): does every output obey its constraint, and what does it cost.
 
 Parts (--parts, default: conformance tools cost), offline `LLM` on the default model (SmolLM2-135M-
-Instruct unless --model), chat-formatted prompts, async scheduling off (structured outputs are
-refused with it, and it is the default on CUDA):
+Instruct unless --model), chat-formatted prompts, async scheduling and drafts as asked
+(--async-scheduling, --speculative-config), JSON whitespace bounded as minicore's default or as
+asked (--max-whitespace-cnt N or none, vLLM's unbounded grammar; --disable-any-whitespace):
   conformance  --requests requests of each kind, spread over its constraints: 5 JSON schemas
                (nested objects, arrays of objects, enums, required and optional fields, bounded
                integers and numbers, strings with maxLength or a pattern; every array has a
@@ -62,6 +63,7 @@ from minicore.sampling_params import (
     SamplingParams,  # noqa: E402
     StructuredOutputsParams,  # noqa: E402
 )
+from minicore.structured_output.config import DEFAULT_MAX_WHITESPACE  # noqa: E402
 
 CONCURRENCY = 16
 TEMPERATURE = 0.8
@@ -422,19 +424,31 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2, help="cost: runs of each side, alternated")
     ap.add_argument("--disable-any-whitespace", action="store_true",
                     help="compact JSON for every request (--structured-outputs-config's "
-                         "disable_any_whitespace); default: vLLM's, any whitespace between tokens")
+                         "disable_any_whitespace)")
+    ap.add_argument("--max-whitespace-cnt", type=lambda v: None if v == "none" else int(v),
+                    default=DEFAULT_MAX_WHITESPACE,
+                    help="whitespace characters in a row a JSON output may write (minicore's "
+                         f"default {DEFAULT_MAX_WHITESPACE}; none: vLLM's, any number)")
+    ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--speculative-config", type=json.loads, default=None,
+                    help='e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
     ap.add_argument("--json", default=str(Path(__file__).parent / "results"
                                           / "bench_structured_outputs.json"))
     args = ap.parse_args()
 
-    llm = LLM(args.model, max_model_len=2048, max_num_seqs=CONCURRENCY, async_scheduling=False,
-              structured_outputs_config={"disable_any_whitespace": args.disable_any_whitespace})
+    llm = LLM(args.model, max_model_len=2048, max_num_seqs=CONCURRENCY,
+              async_scheduling=args.async_scheduling, speculative_config=args.speculative_config,
+              structured_outputs_config={"disable_any_whitespace": args.disable_any_whitespace,
+                                         "max_whitespace_cnt": args.max_whitespace_cnt})
     result = {"cpu": cpu_description(), "args": vars(args)}
     for name in args.parts:
         result[name] = PARTS[name][0](args, llm)
 
+    whitespace = ("none" if args.disable_any_whitespace else "any (vLLM's)"
+                  if args.max_whitespace_cnt is None else f"at most {args.max_whitespace_cnt}")
     print(f"CPU: {result['cpu']}; torch threads {torch.get_num_threads()}; JSON whitespace: "
-          f"{'none' if args.disable_any_whitespace else 'any (vLLM default)'}")
+          f"{whitespace} in a row; async scheduling {args.async_scheduling}; drafts "
+          f"{args.speculative_config}")
     for name in args.parts:
         PARTS[name][1](result[name])
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

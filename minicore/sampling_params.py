@@ -22,21 +22,23 @@ from minicore.sampling_checks import INT64_MIN, verify_sampling_params
 @dataclass(slots=True)
 class StructuredOutputsParams:
     """One constraint on what a request may generate: a JSON schema (json, a dict or its JSON
-    text), any JSON object (json_object), a regex, one of some strings (choice) or an EBNF
-    grammar (xgrammar's dialect: a rule named root)."""
+    text), any JSON object (json_object), a regex, one of some strings (choice), a grammar
+    (xgrammar's EBNF dialect, a rule named root; or Lark, told apart as vLLM does) or a
+    structural tag (xgrammar's, as JSON text; vLLM's legacy "structures"/"triggers" form too)."""
     json: str | dict | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | None = None
     # JSON without whitespace between its tokens (vLLM's; xgrammar's any_whitespace=False).
     disable_any_whitespace: bool = False
 
     def __post_init__(self):
         given = [k for k in KINDS if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar "
-                             f"and json_object, got {given or 'none'}")
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, "
+                             f"grammar, json_object and structural_tag, got {given or 'none'}")
         if self.choice is not None and (not isinstance(self.choice, list) or not self.choice or
                                         not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty "
@@ -59,7 +61,7 @@ class StructuredOutputsParams:
         return f"{kind}{'' if not self.disable_any_whitespace else ':compact'}", spec
 
 
-KINDS = ("json", "regex", "choice", "grammar", "json_object")
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 @dataclass(slots=True)

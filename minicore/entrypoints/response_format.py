@@ -7,13 +7,15 @@ vllm/entrypoints/openai/chat_completion/protocol.py and completion/protocol.py: 
 holds exactly one constraint; response_format json_object / json_schema replaces that field of it
 (vLLM's replace), so a constraint of another kind beside it is a 400. The constraint itself is
 checked (vLLM's checks, nesting depth included, then a compile) by the InputProcessor, whose 400
-names the field it came from. Refused with a 400 naming the request field: structural tags,
-whitespace_pattern, disable_additional_properties, disable_fallback, and the guided_* fields vLLM
-removed (it ignores them, leaving the output unconstrained). Stricter than vLLM, which ignores
-them: unknown subfields, a json_schema without its schema or beside another type.
+names the field it came from. A structural_tag response_format is passed on whole as the tag, as
+vLLM does. Refused with a 400 naming the request field: whitespace_pattern,
+disable_additional_properties, disable_fallback, and the guided_* fields vLLM removed (it ignores
+them, leaving the output unconstrained). Stricter than vLLM, which ignores them: unknown subfields,
+a json_schema without its schema or beside another type.
 """
 
 import dataclasses
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -26,7 +28,7 @@ REMOVED_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided
                          "guided_decoding_backend", "guided_whitespace_pattern")
 
 # vLLM's StructuredOutputsParams fields minicore does not implement, with their "not used" values.
-UNSUPPORTED_FIELDS = {"structural_tag": (None,), "whitespace_pattern": (None,),
+UNSUPPORTED_FIELDS = {"whitespace_pattern": (None,),
                       "disable_additional_properties": (None, False),
                       "disable_fallback": (None, False)}
 
@@ -63,6 +65,7 @@ class StructuredOutputsRequest(_Record):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | None = None
     disable_any_whitespace: bool = False
 
 
@@ -107,6 +110,7 @@ def _from_structured_outputs(request: StructuredOutputsRequest) -> StructuredOut
         return StructuredOutputsParams(
             json=request.json_, regex=request.regex, choice=request.choice,
             grammar=request.grammar, json_object=request.json_object,
+            structural_tag=request.structural_tag,
             disable_any_whitespace=request.disable_any_whitespace)
     except ValueError as e:
         raise OpenAIError(str(e), 400, "structured_outputs") from None
@@ -115,9 +119,9 @@ def _from_structured_outputs(request: StructuredOutputsRequest) -> StructuredOut
 def _response_format_override(response_format: ResponseFormat) -> dict[str, Any] | None:
     """The field of StructuredOutputsParams response_format sets (None for type text)."""
     kind = response_format.type
-    if kind == "structural_tag":
-        raise OpenAIError("response_format type structural_tag is not supported by minicore",
-                          400, "response_format")
+    if kind == "structural_tag":  # the whole object is the tag, as vLLM passes it on
+        return {"structural_tag": json.dumps(response_format.model_dump(by_alias=True,
+                                                                        exclude_none=True))}
     _check_extras(response_format, "response_format")
     schema = response_format.json_schema
     if kind != "json_schema":

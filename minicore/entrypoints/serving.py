@@ -241,7 +241,7 @@ class OpenAIServing(OpenAIServingBase):
                     token_ids, logprobs = self._new_tokens(choice)
                     logprobs = self._chat_logprobs(request, token_ids, logprobs, fmt)
                     parser = parsers[choice.index]
-                    message = parser.parse_delta(delta)
+                    message = parser.parse_delta(delta, choice.finish_reason)
                     finish_reason = parser.stream_finish_reason(choice.finish_reason)
                     if message is not None or finish_reason is not None or (
                             logprobs and token_ids):

@@ -7,17 +7,16 @@ OnlineRenderer.render_chat (vllm/renderers/online_renderer.py: tool_choice other
 --enable-auto-tool-choice and --tool-call-parser); the tools as the template sees them
 (ChatCompletionToolsParam.model_dump); get_json_schema_from_tools (vllm/tool_parsers/utils.py),
 which ToolParser.adjust_request makes the request's structured_outputs; the reading of
-DelegatingParser._extract_tool_calls and its streaming twin (vllm/parser/abstract_parser.py, with
-vllm/tool_parsers/streaming.py for named and "required" tool choice); and the finish reasons of
-chat_completion/serving.py ("tool_calls" for auto and required calls, "stop" for a named one).
-Named and "required" tool choice are JSON-schema constrained, the way vLLM 0.32 runs them with
-VLLM_ENFORCE_STRICT_TOOL_CALLING=0: the named function's parameters, or an array of
+DelegatingParser._extract_tool_calls and its streaming twin (vllm/parser/abstract_parser.py); and
+the finish reasons of chat_completion/serving.py ("tool_calls" for auto and required calls, "stop"
+for a named one). Named and "required" tool choice are JSON-schema constrained, the way vLLM 0.32
+runs them with VLLM_ENFORCE_STRICT_TOOL_CALLING=0: the named function's parameters, or an array of
 {"name", "parameters"} objects. By default vLLM 0.32 instead constrains hermes to its own
 <tool_call> format with an xgrammar structural tag (arguments unconstrained unless a tool is
-strict), which minicore's structured outputs do not have.
-Left out: --exclude-tools-when-tool-choice-none (tools always reach the template), reasoning
-parsers, kimi_k2 tool call ids, Mistral tokenizers. Adds OpenAI's limits on tools (MAX_TOOLS,
-MAX_TOOL_NAME_CHARS).
+strict). Unlike vLLM, a named or "required" call is streamed whole when the output ends, and a call
+cut by max_tokens is no call, streamed or not. Left out: --exclude-tools-when-tool-choice-none
+(tools always reach the template), reasoning parsers, kimi_k2 tool call ids, Mistral tokenizers.
+Adds OpenAI's limits on tools (MAX_TOOLS, MAX_TOOL_NAME_CHARS).
 """
 
 import dataclasses
@@ -25,7 +24,7 @@ import json
 from dataclasses import dataclass
 
 from minicore.entrypoints.openai_errors import OpenAIError
-from minicore.entrypoints.tool_parsers import ToolParser, extract_required_tool_call_streaming
+from minicore.entrypoints.tool_parsers import ToolParser
 from minicore.entrypoints.tool_records import (
     ChatMessage,
     DeltaFunctionCall,
@@ -33,7 +32,6 @@ from minicore.entrypoints.tool_records import (
     DeltaToolCall,
     FunctionCall,
     ToolCall,
-    make_tool_call_id,
 )
 from minicore.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -211,19 +209,20 @@ class ToolCallParser:
     tools: ChatTools
     tool_parser: ToolParser | None = None  # "auto": the server's parser
     previous_text: str = ""
-    # Streaming: a tool call was sent (the finish reason says so), the named call's head too.
+    # Streaming: a tool call was sent (the finish reason says so).
     tools_streamed: bool = False
-    function_name_returned: bool = False
 
     def __post_init__(self):
         if self.tools.tool_choice == "auto":
             self.tool_parser = self.tools.parser_cls()
 
     def parse(self, text: str, finish_reason: str) -> tuple[ChatMessage, str]:
-        """The message of a whole output and the choice's finish reason."""
+        """The message of a whole output and the choice's finish reason. A named or "required"
+        call cut by max_tokens is no call (vLLM's test_max_tokens_with_tool_choice_required)."""
         choice, name = self.tools.tool_choice, self.tools.function_name
         if name is not None:
-            calls = [ToolCall(function=FunctionCall(name, text))] if text.strip() else []
+            whole = text.strip() and (finish_reason != "length" or _is_json(text))
+            calls = [ToolCall(function=FunctionCall(name, text))] if whole else []
             return ChatMessage("assistant", "", calls), finish_reason
         if choice == "required":
             calls = [ToolCall(function=FunctionCall(n, json.dumps(p, ensure_ascii=False)))
@@ -238,14 +237,15 @@ class ToolCallParser:
                         "tool_calls")
         return ChatMessage("assistant", text), finish_reason
 
-    def parse_delta(self, delta_text: str) -> DeltaMessage | None:
-        """The delta to send for the output's next piece, None for nothing yet."""
+    def parse_delta(self, delta_text: str, finish_reason: str | None) -> DeltaMessage | None:
+        """The delta to send for the output's next piece (finish_reason: the output's, once it
+        ended), None for nothing yet. A named or "required" call goes out whole when the output
+        ends, as parse reads it: one cut by max_tokens never reaches the client (vLLM streams
+        them as they are written)."""
         previous, current = self.previous_text, self.previous_text + delta_text
         self.previous_text = current
-        if self.tools.function_name is not None:
-            message = self._named_delta(delta_text)
-        elif self.tools.tool_choice == "required":
-            message = extract_required_tool_call_streaming(previous, current)
+        if self.tools.function_name is not None or self.tools.tool_choice == "required":
+            message = None if finish_reason is None else self._whole_calls(current, finish_reason)
         elif self.tool_parser is not None:
             message = self.tool_parser.extract_tool_calls_streaming(previous, current, delta_text)
         else:
@@ -263,20 +263,24 @@ class ToolCallParser:
             return "tool_calls"
         return finish_reason
 
-    def _named_delta(self, delta_text: str) -> DeltaMessage | None:
-        """vLLM's extract_named_tool_call_streaming: the call's id, type and name with the
-        first text, then the arguments as the model writes them."""
-        if self.function_name_returned:
-            call = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=delta_text))
-            return DeltaMessage(tool_calls=[call]) if delta_text else None
-        self.function_name_returned = True
-        return DeltaMessage(tool_calls=[DeltaToolCall(
-            index=0, id=make_tool_call_id(), type="function",
-            function=DeltaFunctionCall(self.tools.function_name, delta_text))])
+    def _whole_calls(self, text: str, finish_reason: str) -> DeltaMessage | None:
+        calls = self.parse(text, finish_reason)[0].tool_calls
+        return DeltaMessage(tool_calls=[
+            DeltaToolCall(index=i, id=c.id, type=c.type,
+                          function=DeltaFunctionCall(c.function.name, c.function.arguments))
+            for i, c in enumerate(calls)]) if calls else None
 
     def _first_only(self, calls: list[ToolCall]) -> list[ToolCall]:
         """vLLM's maybe_filter_parallel_tool_calls."""
         return calls[:1] if self.tools.parallel_tool_calls is False else calls
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 def _required_calls(text: str) -> list[tuple[str, dict | None]]:

@@ -1,21 +1,24 @@
-"""minicore's C kernels on CPU, built on first use: decode attention, small linears.
+"""minicore's C kernels on CPU, built on first use: decode attention, linears, norm, rotary.
 
 vLLM's CPU backend ships compiled kernels (csrc/cpu, behind ``vllm/v1/attention/backends/
 cpu_attn.py`` and ``vllm/model_executor/layers/utils.py``). torch has no decode attention that
 reads per-request rows at memory speed (its batched matmuls over decode's few query rows per KV
-head stream keys at about half the machine's memory bandwidth), and MKL repacks a whole weight on
-every product, which at decode's few rows costs as much as the product. ``csrc/`` holds the two
-(``decode_attention.c``: scores over the keys and the weighted sum of the values, the softmax
-between them staying in torch; ``linear.c``). They are compiled with the machine's C compiler
-(``$CC``, else ``cc``; ``-O3 -march=native -fopenmp``) into ``$MINICORE_CACHE/kernels`` under a
-name keyed by sources, flags and CPU, once per machine (a few seconds), and loaded with ctypes.
-Their OpenMP runtime is the one torch already loaded (same soname), so their threads are torch's.
-Without a compiler, or if the build fails, both stay in torch, with a warning. Both read float32
-or bfloat16 storage (the KV pools, the weights) and compute in float32: a bfloat16 is widened by a
-shift as it is read, so they run on every CPU and read half the bytes of float32 (decode is
-bound by those reads). On a CPU with AVX512-BF16 a linear layer of bfloat16 weights and inputs
-takes its dot products instead (``csrc/linear_bf16.c``, VDPBF16PS). Left out: AMX tiles, bfloat16
-dot products in decode attention (it widens), float16.
+head stream keys at about half the machine's memory bandwidth), MKL repacks a whole weight on
+every product, which at decode's few rows costs as much as the product, and transformers' norms
+and rotary embedding are many small torch ops. ``csrc/`` holds ``decode_attention.c`` (scores over
+the keys and the weighted sum of the values, the softmax between them staying in torch),
+``linear.c`` and ``linear_bf16.c``, ``rms_norm.c`` and ``rotary.c`` (minicore/model/
+cpu_layers.py). They are compiled with the machine's C compiler (``$CC``, else ``cc``; ``-O3
+-march=native -fopenmp``) into ``$MINICORE_CACHE/kernels`` under a name keyed by sources, flags
+and CPU, once per machine (a few seconds), and loaded with ctypes. Their OpenMP runtime is the one
+torch already loaded (same soname), so their threads are torch's. Without a compiler, or if the
+build fails, all stay in torch, with a warning. They read float32 or bfloat16 storage (the KV
+pools, the weights) and compute in float32: a bfloat16 is widened by a shift as it is read, so
+they run on every CPU and read half the bytes of float32 (decode is bound by those reads). On a
+CPU with AVX512-BF16 a linear layer of bfloat16 weights and inputs takes its dot products instead
+(``csrc/linear_bf16.c``, VDPBF16PS). Each sums an output in one order whatever the batch (batch
+invariance, docs/ARCHITECTURE.md). Left out: AMX tiles, bfloat16 dot products in decode attention
+(it widens), float16.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ Mirrors vllm/config/structured_outputs.py (StructuredOutputsConfig), with its JS
 has one backend, xgrammar (vLLM's default under "auto"; chosen by measurement, docs/BENCHMARKS.md),
 so "auto" means xgrammar and vLLM's other backends are refused by name, as are the settings that
 only they read (disable_additional_properties is guidance's) and reasoning parsers. Adds the
-bounds on a request's grammar (max_grammar_nesting, max_grammar_bytes). Pure Python:
+bounds on a request's grammar (max_grammar_nesting, max_grammar_bytes) and on the whitespace a
+JSON output may run (max_whitespace_cnt, on by default: where minicore differs from vLLM). Pure
+Python:
 minicore.config imports it.
 """
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from minicore.structured_output.params import MAX_GRAMMAR_BYTES, MAX_GRAMMAR_NESTING
 
 BACKENDS = ("auto", "xgrammar")
+DEFAULT_MAX_WHITESPACE = 16
 # vLLM's other backends: named in the refusal, so that a vLLM command line fails clearly.
 OTHER_BACKENDS = ("guidance", "outlines", "lm-format-enforcer")
 
@@ -22,6 +25,11 @@ class StructuredOutputsConfig:
     backend: str = "auto"
     # Compact JSON for every request (no whitespace between tokens), as vLLM's.
     disable_any_whitespace: bool = False
+    # At most this many whitespace characters in a row between JSON tokens (JSON schemas,
+    # json_object, tool-call arguments); None lets a model write newlines until max_tokens, as
+    # vLLM's grammar does (vllm-project/vllm issue 38696). minicore's own default, from a
+    # measurement (docs/BENCHMARKS.md): the indentation of nested JSON fits it.
+    max_whitespace_cnt: int | None = DEFAULT_MAX_WHITESPACE
     disable_additional_properties: bool = False
     reasoning_parser: str = ""
     enable_in_reasoning: bool = False
@@ -39,6 +47,11 @@ class StructuredOutputsConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"structured_outputs_config: {name} must be true or false, got "
                                  f"{getattr(self, name)!r}")
+        value = self.max_whitespace_cnt
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 0):
+            raise ValueError("structured_outputs_config: max_whitespace_cnt must be an integer "
+                             f">= 0 or null, got {value!r}")
         for name in ("max_grammar_nesting", "max_grammar_bytes"):
             if not isinstance(value := getattr(self, name), int) or isinstance(value, bool) or (
                     value < 1):

@@ -80,11 +80,13 @@ class CompiledGrammarCache:
 
 class StructuredOutputManager(SkipsUncompiled):
     def __init__(self, tokenizer, vocab_size: int, disable_any_whitespace: bool = False,
-                 cache_limit_bytes: int = DEFAULT_CACHE_MB << 20):
+                 cache_limit_bytes: int = DEFAULT_CACHE_MB << 20,
+                 max_whitespace_cnt: int | None = None):
         super().__init__()
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.disable_any_whitespace = disable_any_whitespace
+        self.max_whitespace_cnt = max_whitespace_cnt
         self.compiler = None  # built by the first structured request
         self.cache = CompiledGrammarCache(cache_limit_bytes)
         # xgrammar compiles in C++ without the GIL, off the busy loop: small constraints on one
@@ -120,7 +122,8 @@ class StructuredOutputManager(SkipsUncompiled):
     def _compile(self, params: StructuredOutputsParams, key):
         if (compiled := self.cache.get(key)) is not None:
             return compiled
-        grammar = build_grammar(params, self.disable_any_whitespace)  # ValueError naming the field
+        # ValueError naming the field
+        grammar = build_grammar(params, self.disable_any_whitespace, self.max_whitespace_cnt)
         try:
             compiled = self.compiler.compile_grammar(grammar)
         except RuntimeError as e:
@@ -282,9 +285,10 @@ def make_structured_output_manager(config, model_runner, has_logits: bool):
     xgrammar's."""
     if reason := structured_outputs_unsupported(config, has_logits):
         return RefusedStructuredOutput(reason)
+    so_config = config.structured_outputs_config
     return StructuredOutputManager(model_runner.tokenizer, model_runner.vocab_size,
-                                   config.structured_outputs_config.disable_any_whitespace,
-                                   cache_limit_mb() << 20)
+                                   so_config.disable_any_whitespace, cache_limit_mb() << 20,
+                                   so_config.max_whitespace_cnt)
 
 
 def cache_limit_mb() -> int:

@@ -3,12 +3,15 @@ xgrammar compiler takes.
 
 The constraint itself, StructuredOutputsParams, is minicore/sampling_params.py's, as in vLLM.
 Mirrors the frontend's grammar checks of vllm/v1/structured_output/backend_xgrammar.py
-(validate_xgrammar_grammar). Pure Python until a check runs: validate_structured_outputs imports
-xgrammar then. Left out: structural tags, whitespace patterns,
+(validate_xgrammar_grammar), Lark told apart from EBNF as vLLM does (grammar_is_likely_lark) and
+compiled by xgrammar's Lark front end, and structural tags in both of vLLM's forms. Pure Python
+until a check runs: validate_structured_outputs imports xgrammar then. Left out: whitespace
+patterns,
 disable_additional_properties, the backend fallback and a timeout on compiling a regex.
 """
 
 import json as json_module
+import re
 
 from minicore.sampling_params import StructuredOutputsParams
 
@@ -48,15 +51,18 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "depe
 _DATA_KEYS = ("enum", "const", "default", "examples", "required", "description", "title")
 
 
-def build_grammar(params: StructuredOutputsParams, disable_any_whitespace: bool = False):
+def build_grammar(params: StructuredOutputsParams, disable_any_whitespace: bool = False,
+                  max_whitespace_cnt: int | None = None):
     """The xgrammar Grammar of params (no tokenizer needed); ValueError naming the field when
     the schema, regex or grammar does not parse. JSON is compact when the request or the engine
-    (--structured-outputs-config) disables whitespace, as vLLM's separators make it."""
+    (--structured-outputs-config) disables whitespace, as vLLM's separators make it; else at most
+    max_whitespace_cnt whitespace characters run between its tokens (None: any number)."""
     import xgrammar as xgr
 
     kind = params.kind
     compact = disable_any_whitespace or params.disable_any_whitespace
-    json_options = {"any_whitespace": not compact, "separators": (",", ":") if compact else None}
+    json_options = {"any_whitespace": not compact, "separators": (",", ":") if compact else None,
+                    "max_whitespace_cnt": None if compact else max_whitespace_cnt}
     try:
         if kind == "json":
             schema = params.json if isinstance(params.json, str) else json_module.dumps(params.json)
@@ -67,11 +73,42 @@ def build_grammar(params: StructuredOutputsParams, disable_any_whitespace: bool 
             return xgr.Grammar.from_regex(params.regex)
         if kind == "choice":
             return xgr.Grammar.from_ebnf(choice_grammar(params.choice))
+        if kind == "structural_tag":
+            return _structural_tag_grammar(params.structural_tag)
+        if grammar_is_likely_lark(params.grammar):
+            return xgr.Grammar.from_lark(params.grammar)
         return xgr.Grammar.from_ebnf(params.grammar)
     except RuntimeError as e:
         # xgrammar's message starts with a timestamp and its C++ source position.
         message = str(e).strip().split(": ", 1)[-1] if ".cc:" in str(e) else str(e).strip()
         raise ValueError(f"invalid structured_outputs.{kind}: {message}") from None
+
+
+def grammar_is_likely_lark(grammar: str) -> bool:
+    """vLLM's test (vllm/v1/structured_output/utils.py): a grammar none of whose lines, comments
+    left out, defines a rule with EBNF's ``::=`` is Lark."""
+    lines = (re.sub(r"(#|//).*$", "", line).strip() for line in grammar.split("\n"))
+    return not any("::=" in line for line in lines if line)
+
+
+def _structural_tag_grammar(spec: str):
+    """xgrammar's structural tag, or vLLM's legacy form ({"structures": [{"begin", "schema",
+    "end"}], "triggers": [...]}), which vLLM compiles with xgrammar's deprecated call."""
+    import xgrammar as xgr
+
+    try:
+        tag = json_module.loads(spec)
+    except ValueError:
+        raise ValueError("invalid structured_outputs.structural_tag: not JSON") from None
+    if not (isinstance(tag, dict) and "structures" in tag):
+        return xgr.Grammar.from_structural_tag(spec)
+    try:
+        items = [xgr.StructuralTagItem(begin=s["begin"], schema=json_module.dumps(s["schema"]),
+                                       end=s["end"]) for s in tag["structures"]]
+        return xgr.Grammar.from_structural_tag(items, list(tag["triggers"]))
+    except (KeyError, TypeError) as e:
+        raise ValueError("invalid structured_outputs.structural_tag: each of its structures "
+                         f"needs begin, schema and end, and it needs triggers ({e!r})") from None
 
 
 def validate_structured_outputs(params: StructuredOutputsParams,
@@ -95,7 +132,7 @@ def validate_structured_outputs(params: StructuredOutputsParams,
                          f"the server's limit of {max_bytes} (max_grammar_bytes)")
     if params.json is not None:
         _check_json_schema(params.json, max_nesting)
-    elif kind in ("regex", "grammar"):
+    elif kind in ("regex", "grammar", "structural_tag"):
         _check_nesting(spec, f"structured_outputs.{kind}", max_nesting)
     build_grammar(params)
 

@@ -77,6 +77,13 @@ def params_of(**fields) -> tuple[StructuredOutputsParams | None, str]:
     ({"response_format": JSON_SCHEMA_FORMAT,
       "structured_outputs": {"json": {"type": "string"}, "disable_any_whitespace": True}},
      StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True), "response_format"),
+    # A structural_tag response_format is the tag, whole, as vLLM passes it on.
+    ({"response_format": {"type": "structural_tag", "structures": [], "triggers": ["<f="]}},
+     StructuredOutputsParams(structural_tag=json.dumps(
+         {"type": "structural_tag", "structures": [], "triggers": ["<f="]})), "response_format"),
+    ({"structured_outputs": {"structural_tag": '{"type": "structural_tag"}'}},
+     StructuredOutputsParams(structural_tag='{"type": "structural_tag"}'),
+     "structured_outputs"),
     ({"structured_outputs": {"json": nested(MAX_JSON_NESTING)}},
      StructuredOutputsParams(json=nested(MAX_JSON_NESTING)), "structured_outputs"),
 ])
@@ -90,8 +97,6 @@ def test_request_fields_become_structured_outputs_params(fields, expected, field
      "response_format", "schema must be given"),
     ({"response_format": {"type": "json_object", "json_schema": {"name": "x", "schema": {}}}},
      "response_format", "only used with type json_schema"),
-    ({"response_format": {"type": "structural_tag", "format": {}}}, "response_format",
-     "structural_tag is not supported"),
     ({"response_format": {"type": "json_object", "extra": 1}}, "response_format", "'extra'"),
     ({"response_format": {**JSON_SCHEMA_FORMAT, "json_schema": {"name": "x", "schema": {},
                                                                 "bogus": 1}}},
@@ -102,7 +107,7 @@ def test_request_fields_become_structured_outputs_params(fields, expected, field
      "['regex', 'choice']"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs", "non-empty list"),
     ({"structured_outputs": {"json": {}, "structural_tag": "{}"}}, "structured_outputs",
-     "structural_tag is not supported"),
+     "['json', 'structural_tag']"),
     ({"structured_outputs": {"json": {}, "whitespace_pattern": " "}}, "structured_outputs",
      "whitespace_pattern is not supported"),
     ({"structured_outputs": {"json": {}, "disable_additional_properties": True}},

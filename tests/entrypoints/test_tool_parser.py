@@ -16,10 +16,7 @@ from minicore.entrypoints.chat_utils import apply_hf_chat_template, parse_chat_m
 from minicore.entrypoints.openai_protocol import ChatCompletionRequest, OpenAIError
 from minicore.entrypoints.serving import OpenAIServing
 from minicore.entrypoints.tool_calls import check_tools
-from minicore.entrypoints.tool_parsers import (
-    ToolParserManager,
-    extract_required_tool_call_streaming,
-)
+from minicore.entrypoints.tool_parsers import ToolParserManager
 from minicore.entrypoints.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
 from minicore.model.loader import load_tokenizer, resolve_model_dir
 from minicore.sampling_params import StructuredOutputsParams
@@ -117,19 +114,20 @@ def test_hermes_streaming_holds_back_a_partial_tag_and_sends_plain_text():
 
 
 REQUIRED = ('[{"name": "get_weather", "parameters": {"city": "Paris", "s": "]}\\"{,:"}}, '
-            '{"name": "now", "parameters": {}}] trailing {"name": "x"}')
+            '{"name": "now", "parameters": {}}]')
 
 
 @pytest.mark.parametrize("size", [1, 2, 4, 9, 1000])
-def test_required_array_streamed_at_any_split_assembles_to_its_calls(size):
-    previous, deltas = "", []
-    for end in [*range(size, len(REQUIRED), size), len(REQUIRED)]:
-        deltas.append(extract_required_tool_call_streaming(previous, REQUIRED[:end]))
-        previous = REQUIRED[:end]
-    content, calls = assemble(deltas)
+def test_a_required_array_streamed_at_any_split_goes_out_whole_at_the_end(size):
+    parser = check_tools(request(tools=TOOLS, tool_choice="required"), hermes()).parser()
+    pieces = [REQUIRED[start:start + size] for start in range(0, len(REQUIRED), size)]
+    deltas = [parser.parse_delta(p, None) for p in pieces[:-1]]
+    assert deltas == [None] * len(deltas)  # nothing before the output ends
+    content, calls = assemble([parser.parse_delta(pieces[-1], "stop")])
     assert content == ""
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
         ("get_weather", {"city": "Paris", "s": ']}"{,:'}), ("now", {})]
+    assert parser.stream_finish_reason("stop") == "tool_calls"
 
 
 def test_named_and_required_schemas_as_vllm_builds_them():
@@ -215,13 +213,15 @@ def test_without_a_parser_only_tool_choice_none_is_served(fields, message):
     assert check_tools(request(tools=TOOLS, tool_choice=None), hermes()).tool_choice == "auto"
 
 
-def test_outputs_read_into_messages_with_vllms_finish_reasons():
-    def parse(text, finish="stop", **fields):
-        tools = check_tools(request(tools=TOOLS, **fields), hermes())
-        message, reason = tools.parser().parse(text, finish)
-        calls = [(c.function.name, c.function.arguments) for c in message.tool_calls]
-        return message.content, calls, reason
+def parse(text, finish="stop", **fields):
+    """(content, [(name, arguments)], finish reason) of a whole output."""
+    tools = check_tools(request(tools=TOOLS, **fields), hermes())
+    message, reason = tools.parser().parse(text, finish)
+    calls = [(c.function.name, c.function.arguments) for c in message.tool_calls]
+    return message.content, calls, reason
 
+
+def test_outputs_read_into_messages_with_vllms_finish_reasons():
     assert parse('{"city": "Rome"}', tool_choice=named("get_weather")) == (
         "", [("get_weather", '{"city": "Rome"}')], "stop")
     assert parse("  ", "length", tool_choice=named("now")) == ("", [], "length")
@@ -239,16 +239,32 @@ def test_outputs_read_into_messages_with_vllms_finish_reasons():
 def test_streamed_finish_reason_and_named_deltas():
     tools = check_tools(request(tools=TOOLS, tool_choice=named("get_weather")), hermes())
     parser = tools.parser()
-    content, calls = assemble([parser.parse_delta(p) for p in ('{"ci', "", 'ty": "Rome"}')])
+    content, calls = assemble([parser.parse_delta(p, f) for p, f in (
+        ('{"ci', None), ("", None), ('ty": "Rome"}', "stop"))])
     assert (content, calls[0]["name"], calls[0]["arguments"]) == (
         "", "get_weather", '{"city": "Rome"}')
     assert parser.stream_finish_reason("stop") == "stop"  # named: stop, as vLLM
     required = check_tools(request(tools=TOOLS, tool_choice="required"), hermes()).parser()
-    required.parse_delta('[{"name": "now", "parameters": {}}]')
+    required.parse_delta('[{"name": "now", "parameters": {}}]', "stop")
     assert required.stream_finish_reason("stop") == "tool_calls"
     assert required.stream_finish_reason("length") == "length"
     auto = check_tools(request(tools=TOOLS), hermes()).parser()
-    assert auto.parse_delta("no call") is not None and auto.stream_finish_reason("stop") == "stop"
+    assert auto.parse_delta("no call", None) is not None
+    assert auto.stream_finish_reason("stop") == "stop"
+
+
+def test_a_named_or_required_call_cut_by_max_tokens_is_no_call_streamed_or_not():
+    """vLLM's test_max_tokens_with_tool_choice_required, for both constrained choices."""
+    for choice, cut in ((named("get_weather"), '{"city": "Ro'), ("required", '[{"name": "no')):
+        tools = check_tools(request(tools=TOOLS, tool_choice=choice), hermes())
+        assert parse(cut, "length", tool_choice=choice) == ("", [], "length")
+        parser = tools.parser()
+        assert [parser.parse_delta(cut[:3], None), parser.parse_delta(cut[3:], "length")] == [
+            None, None]
+        assert parser.stream_finish_reason("length") == "length"
+    # Cut exactly where the arguments end: they are whole, so the call stands.
+    assert parse('{"city": "Rome"}', "length", tool_choice=named("get_weather"))[1] == [
+        ("get_weather", '{"city": "Rome"}')]
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,9 @@ by name (--tool-call-parser).
 
 Mirrors vllm/tool_parsers/: the base and the registry (abstract_tool_parser.py), one file per
 model's format, each registering itself with vLLM's decorator
-(`@ToolParserManager.register_module("name")`), helpers (utils.py), and the "required" tool
-choice's streamed array (streaming.py). Every module of this package is imported with it, so a
-new parser is its file and its tests: --tool-call-parser lists it. Left out: vLLM's lazy imports
-and --tool-parser-plugin.
+(`@ToolParserManager.register_module("name")`) and helpers (utils.py). Every module of this package
+is imported with it, so a new parser is its file and its tests: --tool-call-parser lists it. Left
+out: vLLM's lazy imports and --tool-parser-plugin.
 """
 
 import importlib
@@ -17,10 +16,8 @@ from minicore.entrypoints.tool_parsers.abstract_tool_parser import (
     ToolParser,
     ToolParserManager,
 )
-from minicore.entrypoints.tool_parsers.streaming import extract_required_tool_call_streaming
 
-__all__ = ["ExtractedToolCallInformation", "ToolParser", "ToolParserManager",
-           "extract_required_tool_call_streaming"]
+__all__ = ["ExtractedToolCallInformation", "ToolParser", "ToolParserManager"]
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")

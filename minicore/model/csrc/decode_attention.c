@@ -1,7 +1,10 @@
 /* Decode attention over the per-request KV pools of minicore/model/decode_kv.py, on CPU, with
  * pools of float32 or bfloat16 (queries, scores and sums in float32): the two passes that read
- * keys and values, each reading a request's live rows once. Built and loaded by
- * minicore/model/native.py; the softmax between them stays in torch. */
+ * keys and values, each reading a request's live rows once for all the query heads of a KV head.
+ * A score is a dot product in eight lanes and one fixed tree (sum8), an output element a sum over
+ * the positions in order: the same for a query whoever else is in the batch and however the work
+ * is split between threads (batch invariance). Built and loaded by minicore/model/native.py; the
+ * softmax between them stays in torch. */
 #include <math.h>
 
 #include "bf16.h"
