@@ -5,11 +5,13 @@ ones included, still meet in every MoE layer in the same order on both ranks.
 First through the DP client, with the balance gate: rank 0 fills up, rank 1 holds a gated request
 and runs dummy forwards, then runs it beside rank 0's (the plan of test_expert_parallel_serving.py).
 Then served: `serve --data-parallel-size 2 --enable-expert-parallel --async-scheduling`, requests
-spread over both ranks, greedy tokens equal to one in-process engine's without async scheduling.
+spread over both ranks, structured ones among them, greedy tokens equal to one in-process engine's
+without async scheduling.
 """
 
 import asyncio
 import random
+import re
 
 import httpx
 import pytest
@@ -19,6 +21,7 @@ from test_expert_parallel_serving import MAX_NUM_SEQS, greedy, served_tokens
 
 from minicore.config import create_engine_config
 from minicore.llm import LLM
+from minicore.sampling_params import SamplingParams, StructuredOutputsParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -59,25 +62,39 @@ async def test_dp2_expert_parallel_with_async_scheduling_gives_the_tokens_of_one
     assert 1 in rank1_waiting, rank1_waiting  # rank 1 held its request through dummy forwards
 
 
+# Served beside the plain requests: a structured one per rank, its grammar masking each step
+# while the step before is in flight.
+GRAMMARS = [{"regex": r"[0-9]{3}-[a-z]{4}"}, {"choice": ["alpha", "beta", "gamma"]}]
+
+
 async def test_served_dp2_with_async_scheduling_gives_the_text_of_one_engine(moe_model_dir):
     model_dir = moe_model_dir("qwen3_moe")
     rng = random.Random(260)
     plan = [(rng.randrange(4, 40), rng.randrange(4, 40)) for _ in range(6)]
     prompts = [[rng.randrange(3, 1000) for _ in range(length)] for length, _ in plan]
     reference = [o.text for o in reference_outputs(model_dir, prompts, [n for _, n in plan])]
+    structured_reference = [o.outputs[0].text for o in LLM(
+        model_dir, async_scheduling=False, **ENGINE_ARGS).generate(
+        prompts[:2], [SamplingParams(max_tokens=16, temperature=0,
+                                     structured_outputs=StructuredOutputsParams(**g))
+                      for g in GRAMMARS], use_tqdm=False)]
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{4}", structured_reference[0])
+    assert structured_reference[1] in ("alpha", "beta", "gamma")
     with ServerProcess(model_dir, "--data-parallel-size", "2",
                        "--data-parallel-rpc-port", str(free_port_pair()),
                        "--enable-expert-parallel", "--async-scheduling",
                        "--max-model-len", "256", "--kv-cache-memory", str(16 << 20)) as server:
         async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT_S) as http:
-            async def complete(prompt: list[int], max_tokens: int) -> str:
+            async def complete(prompt: list[int], **fields) -> str:
                 response = await http.post("/v1/completions", json={
-                    "model": model_dir, "prompt": prompt, "max_tokens": max_tokens,
-                    "temperature": 0, "ignore_eos": True})
+                    "model": model_dir, "prompt": prompt, "temperature": 0, **fields})
                 response.raise_for_status()
                 return response.json()["choices"][0]["text"]
 
-            got = await asyncio.gather(*(complete(p, n) for p, (_, n) in zip(prompts, plan)))
+            got = await asyncio.gather(
+                *(complete(p, max_tokens=n, ignore_eos=True) for p, (_, n) in zip(prompts, plan)),
+                *(complete(p, max_tokens=16, structured_outputs=g)
+                  for p, g in zip(prompts, GRAMMARS)))
         log = server.log()
-    assert got == reference
+    assert got == reference + structured_reference
     assert log.count("async_scheduling=True") == 2, log  # both ranks run the batch queue
