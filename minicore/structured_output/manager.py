@@ -122,7 +122,7 @@ class StructuredOutputManager(SkipsUncompiled):
     def _compile(self, params: StructuredOutputsParams, key):
         if (compiled := self.cache.get(key)) is not None:
             return compiled
-        # ValueError naming the field
+        # A ValueError naming the field where it does not parse.
         grammar = build_grammar(params, self.disable_any_whitespace, self.max_whitespace_cnt)
         try:
             compiled = self.compiler.compile_grammar(grammar)

@@ -277,7 +277,7 @@ async def test_refused_requests_start_nothing(client, serving):
     async with _http(client, serving) as http:
         cases = [
             ({"prompt": ["ok", ""]}, 400, "prompt"),  # one bad prompt refuses them all
-            ({"prompt": "x", "max_tokens": 64}, 400, "prompt"),  # 1 + 64 > max_model_len 64
+            ({"prompt": "x", "max_tokens": 65}, 400, "max_tokens"),  # > max_model_len 64 alone
             ({"prompt": [client.vocab_size]}, 400, "prompt"),
             ({"prompt": "x", "model": "other"}, 404, "model"),
             ({"prompt": "x", "priority": 1}, 400, "priority"),
