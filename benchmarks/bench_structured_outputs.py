@@ -321,8 +321,9 @@ class StepTimes:
     def _timed(self, method, slot: int):
         def timed(*args):
             start = time.perf_counter()
-            method(*args)
+            result = method(*args)
             self._in_step[slot] += time.perf_counter() - start
+            return result
         return timed
 
 
