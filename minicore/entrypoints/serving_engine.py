@@ -167,7 +167,7 @@ class OpenAIServingBase:
                               params: SamplingParams, request: SamplingRequest, rank: int | None,
                               param: str) -> EngineCoreRequest:
         """The engine request for one prompt; param names the prompt's field in errors. The
-        context length is checked first, as OpenAI words it (with the completion's tokens)."""
+        context length is checked first, and max_tokens clamped to it (_check_context_length)."""
         token_ids = await self.tokenize(prompt, request.add_special_tokens, param)
         self._check_context_length(len(token_ids), params, param, request.field_of("max_tokens"))
         try:
