@@ -1,13 +1,15 @@
 /* Linear layers of bfloat16 models on CPUs with AVX512-BF16: out = x W^T (+ bias), x and W
- * bfloat16, out float32 or rounded to bfloat16 (out_bf16), by VDPBF16PS (two bfloat16 products summed into each float32 lane).
- * Each output element is the dot product of its weight row and its row of x: 16 lanes, lane i
- * summing features 32j + 2i and 32j + 2i + 1 over j, then one fixed horizontal sum (four at a
- * time: sum4); the same
- * for every row whatever the others (batch invariance), in any block. Rows of x go in slabs of
+ * bfloat16, out float32 or rounded to bfloat16 (out_bf16), by VDPBF16PS (two bfloat16 products
+ * summed into each float32 lane). Each output element is the dot product of its weight row and
+ * its row of x: 16 lanes, lane i summing features 32j + 2i and 32j + 2i + 1 over j, then one
+ * fixed horizontal sum (four at a time: sum4); the same for every row whatever the others (batch
+ * invariance), in any block. Rows of x go in slabs of
  * 128, whose 4-row blocks stay in cache while every block of 4 weight rows streams past; one
  * row (a decode step) reads each weight once at memory speed. Without AVX512-BF16 it reports
  * so and minicore/model/native.py uses linear.c. Built and loaded by native.py. */
 #include <stdint.h>
+
+#include "bf16.h"
 
 #define SLAB 128
 
@@ -32,14 +34,6 @@ static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
     __m256 half = _mm256_add_ps(_mm512_castps512_ps256(all),
                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(all), 1)));
     return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
-}
-
-/* Four float32s rounded to the nearest bfloat16, ties to even (torch's rounding; NaN aside). */
-static inline __m128i round_bf16(__m128 v) {
-    __m128i u = _mm_castps_si128(v);
-    __m128i odd = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
-    u = _mm_srli_epi32(_mm_add_epi32(u, _mm_add_epi32(odd, _mm_set1_epi32(0x7fff))), 16);
-    return _mm_packus_epi32(u, u);
 }
 
 /* out[m0 + c][n0 + r] for r < rows, c < C: C rows of x against 4 weight rows (a last block's
@@ -86,10 +80,14 @@ static inline __attribute__((always_inline)) void block(const uint16_t *x, const
     for (int c = 0; c < C; c++) {
         __m128 sums = _mm_add_ps(sum4(acc[0][c], acc[1][c], acc[2][c], acc[3][c]), b);
         int64_t at = (int64_t)(m0 + c) * n_len + n0;
-        if (out_bf16)
-            _mm_mask_storeu_epi16((uint16_t *)out + at, stored, round_bf16(sums));
-        else
+        if (out_bf16) { /* bf16.h's rounding: at most four stores a block of 4 x k products */
+            float each[4];
+            _mm_storeu_ps(each, sums);
+            for (int r = 0; r < rows; r++)
+                put(out, at + r, rounded(each[r], 1), 1);
+        } else {
             _mm_mask_storeu_ps((float *)out + at, stored, sums);
+        }
     }
 }
 
