@@ -273,8 +273,10 @@ def test_prefill_killed_as_decode_reads(deployment, prompts, reference):
 def test_prefill_killed_after_answering_then_restarted(deployment, prompts, reference):
     """A prefill instance dies after answering, before the decode side reads: with the dead peer
     forgotten, the decode side handshakes again (the restarted instance has the same engine id),
-    gets no answer within handshake_timeout, and recomputes. Restarted once more, the prefill
-    instance is used again: read (its blocks freed by the notification), with no failure."""
+    gets no answer within handshake_timeout, and recomputes; or, where the read comes before the
+    transport has noticed the death (seen with faster steps under load), the transport fails that
+    read at once and it recomputes all the same. Restarted once more, the prefill instance is
+    used again: read (its blocks freed by the notification), with no failure."""
     d = deployment
     params = _prefill_answer(d, prompts["unseen"])
     failures = len(_read_failures(d))
@@ -282,7 +284,7 @@ def test_prefill_killed_after_answering_then_restarted(deployment, prompts, refe
     body = complete(d.decode.url, prompts["unseen"], kv_transfer_params=params)
     assert body["choices"][0]["text"] == reference["unseen"]
     assert len(new := _read_failures(d)[failures:]) == 1, d.decode.log()
-    assert "no handshake answer" in new[0], new
+    assert "no handshake answer" in new[0] or "NIXL_ERR_REMOTE_DISCONNECT" in new[0], new
     assert_kv_freed(d, d.decode)
     d.restart_prefill()
     assert complete(d.proxy.url, prompts["short"])["choices"][0]["text"] == reference["short"]
