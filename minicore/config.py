@@ -70,7 +70,7 @@ class SchedulerConfig:
         "all-gather", "how the balance gate learns the ranks' running counts: all-gather: every "
                       "rank's count, as vllm-ascend does; all-reduce-max: only the largest, the "
                       "same decisions for one integer", group="data parallel")
-    # None: resolved by EngineConfig.resolve_async_scheduling once the runner's device is known.
+    # None: resolved by EngineConfig.resolve_async_scheduling once the model's device is known.
     async_scheduling: bool | None = flag(
         None, "schedule the next step while the forward of this one runs (vLLM's async "
               "scheduling with its batch queue); default: on CUDA, off on CPU, where it measured "
@@ -225,12 +225,7 @@ class EngineConfig:
             raise ValueError(f"--async-scheduling does not support {reason}")
 
     def _async_unsupported(self) -> str | None:
-        """What in this config async scheduling cannot run with (vLLM refuses such pairs too)."""
-        if self.speculative_config is not None:
-            # A drafter needs the last step's tokens before the next step is scheduled.
-            return f"{self.speculative_config.method} speculative decoding"
-        if self.kv_transfer_config is not None:
-            return "a KV connector (--kv-transfer-config)"
+        """What in this config async scheduling cannot run with."""
         if (self.parallel_config.data_parallel_size > 1
                 and runner_info(self.model_config.runner).reports_step_time):
             return (f"the {self.model_config.runner} runner with --data-parallel-size > 1 (its "

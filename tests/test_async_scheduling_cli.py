@@ -1,7 +1,7 @@
 """--async-scheduling / --no-async-scheduling and LLM(async_scheduling=) without a model: the
 flag reaches the scheduler config, its default (None) resolves by device (off on CPU, on for
-CUDA, vLLM's), and the pairs it does not support are refused by name when asked for explicitly,
-and quietly left off when not."""
+CUDA, vLLM's), with drafts and with a KV connector too, and the one pair it does not support is
+refused by name when asked for explicitly, and quietly left off when not."""
 
 import json
 
@@ -30,9 +30,11 @@ def test_the_flag_reaches_the_scheduler_config(argv, value):
 @pytest.mark.parametrize("device, argv, resolved", [
     ("cpu", (), False), ("cuda", (), True), ("cpu", ("--async-scheduling",), True),
     ("cuda", ("--no-async-scheduling",), False),
-    # Unsupported pairs: off by default, even on CUDA.
-    ("cuda", ("--speculative-config", NGRAM), False),
-    ("cuda", ("--kv-transfer-config", NIXL), False),
+    ("cuda", ("--speculative-config", NGRAM), True), ("cuda", ("--kv-transfer-config", NIXL), True),
+    ("cpu", ("--async-scheduling", "--speculative-config", NGRAM, "--kv-transfer-config", NIXL),
+     True),
+    # Unsupported: off by default, even on CUDA.
+    ("cuda", ("--runner", "simulated", "-dp", "2"), False),
 ])
 def test_the_default_resolves_by_device_and_support(device, argv, resolved):
     config = config_of(*argv)
@@ -40,21 +42,16 @@ def test_the_default_resolves_by_device_and_support(device, argv, resolved):
     assert config.scheduler_config.async_scheduling is resolved
 
 
-@pytest.mark.parametrize("argv, message", [
-    (("--speculative-config", NGRAM), "does not support ngram speculative decoding"),
-    (("--kv-transfer-config", NIXL), "does not support a KV connector"),
-    (("--runner", "simulated", "-dp", "2"),
-     "does not support the simulated runner with --data-parallel-size > 1"),
-])
-def test_unsupported_pairs_are_refused_by_name(argv, message):
-    with pytest.raises(ValueError, match=message):
-        config_of("--async-scheduling", *argv)
+def test_the_unsupported_pair_is_refused_by_name():
+    with pytest.raises(ValueError, match="does not support the simulated runner with "
+                                         "--data-parallel-size > 1"):
+        config_of("--async-scheduling", "--runner", "simulated", "-dp", "2")
 
 
-def test_the_llm_keyword_refuses_a_pair_before_loading_a_model():
-    with pytest.raises(ValueError, match="--async-scheduling does not support ngram"):
-        LLM("/nonexistent-model-dir", async_scheduling=True,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+def test_the_llm_keyword_refuses_it_before_loading_a_model():
+    with pytest.raises(ValueError, match="--async-scheduling does not support the simulated"):
+        LLM("/nonexistent-model-dir", async_scheduling=True, runner="simulated",
+            data_parallel_size=2)
 
 
 def test_the_help_says_the_default(capsys):

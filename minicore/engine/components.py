@@ -29,9 +29,9 @@ from minicore.scheduler.async_scheduler import OutputPlaceholders
 from minicore.scheduler.balance import BalanceScheduler
 from minicore.scheduler.interfaces import NO_STRUCTURED_OUTPUT
 from minicore.scheduler.logprobs import Logprobs
-from minicore.scheduler.spec_decode import SpecDecode
+from minicore.scheduler.spec_decode import RunnerDrafts, SpecDecode
 from minicore.spec_decode.config import SpeculativeConfig
-from minicore.spec_decode.drafter import Drafter, make_drafter
+from minicore.spec_decode.drafter import Drafter, NoDrafter, make_drafter
 from minicore.structured_output.manager import make_structured_output_manager
 
 
@@ -61,9 +61,7 @@ def build_components(config: EngineConfig, model=None, tokenizer=None,
     prepare_model = _prepare_dp_rank(config, dp_group) if dp_group is not None else None
     info = runner_info(config.model_config.runner)
     model_runner = _make_model_runner(config, info, model, tokenizer, prepare_model)
-    # A runner without a device (the simulated one) counts as a CPU one.
-    async_scheduling = config.resolve_async_scheduling(
-        getattr(getattr(model_runner, "device", None), "type", "cpu"))
+    async_scheduling = config.scheduler_config.async_scheduling
     # The one place num_blocks is set at run time: the runner has sized the KV cache.
     config.cache_config.num_blocks = model_runner.num_blocks
     _check_kv_cache_fits(config)
@@ -82,9 +80,10 @@ def build_components(config: EngineConfig, model=None, tokenizer=None,
         scheduler.remote_kv.validate_request(request)
         so_manager.grammar_init(request)
 
-    return EngineComponents(info, model_runner, kv_connectors, so_manager, scheduler,
-                            make_drafter(config), BatchQueue(2 if async_scheduling else 1),
-                            check_request)
+    # With async scheduling the runner proposes the drafts itself, right after it samples.
+    drafter = NoDrafter() if async_scheduling else make_drafter(config)
+    return EngineComponents(info, model_runner, kv_connectors, so_manager, scheduler, drafter,
+                            BatchQueue(2 if async_scheduling else 1), check_request)
 
 
 def make_engine_core(config: EngineConfig, model=None, tokenizer=None) -> EngineCore:
@@ -109,10 +108,14 @@ def scheduler_components(scheduler_config: SchedulerConfig,
     scheduling's placeholders and, for a runner with logits, logprobs (its defaults do
     nothing)."""
     components: dict = {"logprobs": Logprobs()} if has_logits else {}
+    async_scheduling = scheduler_config.async_scheduling
     if speculative_config is not None:
-        components["spec_decode"] = SpecDecode(speculative_config.num_speculative_tokens)
-    if scheduler_config.async_scheduling:
-        components["placeholders"] = OutputPlaceholders()
+        spec_decode = RunnerDrafts if async_scheduling else SpecDecode
+        components["spec_decode"] = spec_decode(speculative_config.num_speculative_tokens)
+    if async_scheduling:
+        drafts = ((speculative_config.num_speculative_tokens,
+                   speculative_config.disable_by_batch_size) if speculative_config else ())
+        components["placeholders"] = OutputPlaceholders(scheduler_config.max_model_len, *drafts)
     return components
 
 
@@ -125,14 +128,18 @@ def load_model(config: EngineConfig):
 
 
 def _make_model_runner(config: EngineConfig, info: RunnerInfo, model, tokenizer, prepare_model):
+    """The runner, async scheduling's default resolved first (its sampling step depends on it):
+    from the model's device; a runner without weights (the simulated one) counts as a CPU one."""
     runner_cls = info.load_class()
     if not info.needs_weights:
+        config.resolve_async_scheduling("cpu")
         return runner_cls(config)
     if model is None:
         model, tokenizer = load_model(config)
     if prepare_model is not None:
         # Before the runner exists: on CUDA its profiling forward already meets the peers.
         model = prepare_model(model)
+    config.resolve_async_scheduling(next(model.parameters()).device.type)
     return runner_cls(config, model, tokenizer)
 
 

@@ -25,6 +25,7 @@ import torch
 
 from minicore.config import EngineConfig
 from minicore.model import sleep_mode
+from minicore.model.async_spec_decode import AsyncSpecDecodeSampler
 from minicore.model.attention import (
     AttentionMetadata,
     GatheredDecode,
@@ -47,6 +48,7 @@ from minicore.model.sampler import (
     take_grammar_rows,
 )
 from minicore.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from minicore.spec_decode.drafter import make_drafter
 
 logger = logging.getLogger(__name__)
 
@@ -165,10 +167,13 @@ class ModelRunner(ModelRunnerBase):
         """Chosen once: the sampling step, and what it takes from each SchedulerOutput before the
         forward. One token per sampling row, masked by its grammar row (sampler.py); or, with
         speculative decoding, each row's drafts verified and its accepted ones plus one token
-        (rejection_sampler.py)."""
+        (rejection_sampler.py), with async scheduling the drafts proposed here
+        (async_spec_decode.py)."""
         if config.speculative_config is None:
             return self._sample, partial(take_grammar_rows, requests=self.requests)
-        sampler = SpecDecodeSampler(self.vocab_size, self.device, self._logits, self.logprobs)
+        args = self.vocab_size, self.device, self._logits, self.logprobs
+        sampler = (AsyncSpecDecodeSampler(*args, drafter=make_drafter(config))
+                   if config.scheduler_config.async_scheduling else SpecDecodeSampler(*args))
         return sampler, partial(sampler.take_drafts, requests=self.requests)
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -184,6 +189,8 @@ class ModelRunner(ModelRunnerBase):
         input_ids, computed, num_new, sampling_rows = [], [], [], []
         for row, (state, n) in enumerate(zip(states, so.num_scheduled_tokens.values())):
             start = state.num_computed_tokens
+            # Fewer than scheduled only where drafts proposed here fell short of placeholders.
+            n = min(n, len(state.token_ids) - start)
             input_ids.extend(state.token_ids[start:start + n])
             computed.append(start)
             num_new.append(n)

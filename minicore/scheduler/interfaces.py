@@ -123,8 +123,8 @@ class NoPlaceholders:
         """Whether the running pass must skip the request this step."""
         return False
 
-    def after_schedule(self, scheduler_output: SchedulerOutput,
-                       requests: dict[str, Request]) -> None:
+    def after_schedule(self, scheduler_output: SchedulerOutput, requests: dict[str, Request],
+                       num_running: int) -> None:
         pass
 
     def requests_to_update(self, scheduler_output: SchedulerOutput,

@@ -99,6 +99,9 @@ class ModelRunnerOutput:
     # sampled token) and the logprobs of this step's chunk of prompt positions.
     logprobs: dict[str, LogprobsLists] | None = None
     prompt_logprobs: dict[str, LogprobsLists] | None = None
+    # With drafts proposed by the runner (async scheduling): per request that verified drafts, how
+    # many it ran, at most the placeholders scheduled.
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

@@ -219,7 +219,7 @@ class Scheduler:
                 step.cached_reqs.req_ids, self.requests),
         )
         self.finished_req_ids = set()
-        self.placeholders.after_schedule(output, self.requests)
+        self.placeholders.after_schedule(output, self.requests, len(self.running))
         self.structured_output_manager.grammar_bitmask(output, self.requests)
         output.kv_connector_metadata = self.remote_kv.build_connector_meta(output)
         return output

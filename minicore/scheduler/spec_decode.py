@@ -9,8 +9,10 @@ rejected drafts' positions leave num_computed_tokens, and their KV slots are wri
 next step (allocate_slots never hashes a draft's block: only known tokens are cached). Bound by
 the composition root (minicore/engine/components.py): without --speculative-config,
 NoSpecDecode (minicore/scheduler/interfaces.py) does nothing at either point.
+With async scheduling the drafts are the runner's (RunnerDrafts): placeholders here
+(minicore/scheduler/async_scheduler.py), and the runner reports how many it proposed.
 Left out: lookahead slots, which vLLM allocates only for proposers that write KV past the drafts
-(EAGLE, MTP; num_lookahead_tokens is 0 for ngram), and the structured-output check of drafts.
+(EAGLE, MTP; num_lookahead_tokens is 0 for ngram).
 """
 
 from minicore.protocol import SpecDecodingStats
@@ -29,12 +31,14 @@ class SpecDecode(NoSpecDecode):
                               requests: dict[str, Request]) -> dict[str, list[int]]:
         """Per request of the running pass (req_ids) scheduled with drafts, those its tokens
         reach: num_computed_tokens already counts this step's tokens, so the drafts scheduled are
-        the tokens past num_tokens."""
+        the tokens past num_tokens and the placeholders of a step in flight."""
         scheduled = {}
         for req_id in req_ids:
             request = requests[req_id]
             if request.spec_token_ids:
-                if (num_scheduled := request.num_computed_tokens - request.num_tokens) > 0:
+                num_scheduled = (request.num_computed_tokens - request.num_tokens
+                                 - request.num_output_placeholders)
+                if num_scheduled > 0:
                     scheduled[req_id] = request.spec_token_ids[:num_scheduled]
                 # The drafter proposes afresh after the step.
                 request.spec_token_ids = []
@@ -50,8 +54,13 @@ class SpecDecode(NoSpecDecode):
             if (request := requests.get(req_id)) is None or (row := index.get(req_id)) is None:
                 continue  # aborted while the step ran
             num_accepted = len(sampled[row]) - 1
-            request.num_computed_tokens -= len(drafts) - num_accepted
-            self.stats.observe_draft(len(drafts), num_accepted)
+            if request.num_computed_tokens:  # else preempted while the step ran
+                request.num_computed_tokens -= len(drafts) - num_accepted
+            if num_proposed := self.num_proposed(req_id, drafts, runner_output):
+                self.stats.observe_draft(num_proposed, num_accepted)
+
+    def num_proposed(self, req_id: str, drafts: list[int], runner_output: ModelRunnerOutput) -> int:
+        return len(drafts)
 
     def update_draft_token_ids(self, draft_token_ids: DraftTokenIds,
                                requests: dict[str, Request], max_model_len: int) -> None:
@@ -64,3 +73,12 @@ class SpecDecode(NoSpecDecode):
                 continue
             room = 0 if req_id in self.prefill_chunks else max_model_len - 1 - request.num_tokens
             request.spec_token_ids = drafts[:max(0, room)]
+
+
+class RunnerDrafts(SpecDecode):
+    """With async scheduling: the runner proposes each request's drafts right after it samples
+    (minicore/model/async_spec_decode.py), so a step schedules placeholders for them, and the
+    runner may fill fewer than were scheduled (its lookup found fewer)."""
+
+    def num_proposed(self, req_id: str, drafts: list[int], runner_output: ModelRunnerOutput) -> int:
+        return runner_output.num_draft_tokens.get(req_id, 0)

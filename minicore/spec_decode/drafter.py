@@ -7,13 +7,16 @@ disable_by_batch_size requests or more run. Here that selection is the base's, a
 drafts for one request (propose_for), and a Drafter subclass with a `method` registers itself, as
 scheduling policies do (minicore/scheduler/policies/): a new method is one file of this package
 and its tests. A drafter gets the requests it may draft for and returns DraftTokenIds; EngineCore
-hands them to the scheduler (vLLM's post_step). Left out: proposers that run a model.
+hands them to the scheduler (vLLM's post_step). With async scheduling the runner calls
+propose_for itself, right after it samples, with a DraftRequest of its own state
+(minicore/model/async_spec_decode.py). Left out: proposers that run a model.
 """
 
 import importlib
 import pkgutil
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
@@ -22,10 +25,22 @@ from minicore.scheduler.interfaces import DraftTokenIds
 
 if TYPE_CHECKING:
     from minicore.config import EngineConfig
+    from minicore.sampling_params import SamplingParams
     from minicore.scheduler.output import SchedulerOutput
     from minicore.spec_decode.config import SpeculativeConfig
 
 NO_DRAFTS = DraftTokenIds([], [])
+
+
+@dataclass(slots=True)
+class DraftRequest:
+    """What a method may read of a request (a Request has it all): the runner's view of one,
+    when it proposes under async scheduling. all_token_ids is the same list at every call, holding
+    what it held at the call before and more, until the request is preempted or finishes."""
+    request_id: str
+    all_token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: "SamplingParams"
 
 
 def decoding_requests(requests: Mapping[str, Request],
@@ -77,7 +92,7 @@ class Drafter(ABC):
                              [self.propose_for(r) for r in drafted])
 
     @abstractmethod
-    def propose_for(self, request: Request) -> list[int]:
+    def propose_for(self, request: Request | DraftRequest) -> list[int]:
         """At most self.k draft tokens for the request, none at or past max_model_len - 1 (the
         verifying step writes 1 + len(draft) tokens)."""
 

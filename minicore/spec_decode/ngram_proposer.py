@@ -12,9 +12,8 @@ vLLM's batched numba propose across threads (one Python loop here; no numba depe
 
 from array import array
 
-from minicore.request import Request
 from minicore.spec_decode.config import SpeculativeConfig
-from minicore.spec_decode.drafter import Drafter
+from minicore.spec_decode.drafter import Drafter, DraftRequest
 
 # Bytes per packed token id (array typecode "i": a C int, 4 bytes on every supported platform).
 _ITEM = array("i").itemsize
@@ -44,16 +43,16 @@ class NgramProposer(Drafter):
         super().__init__(config, max_model_len)
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
-        # req_id -> (the Request, its all_token_ids packed). all_token_ids only grows (a
-        # preempted request keeps its outputs), so the packing is extended, never rebuilt, unless
-        # the id now names another request.
-        self._packed: dict[str, tuple[Request, bytearray]] = {}
+        # req_id -> (its all_token_ids list, packed). The list only grows (a preempted request
+        # keeps its outputs), so the packing is extended, never rebuilt, unless the id now names
+        # another request (another list).
+        self._packed: dict[str, tuple[list[int], bytearray]] = {}
 
     def forget(self, finished_req_ids: set[str]) -> None:
         for req_id in finished_req_ids:
             self._packed.pop(req_id, None)
 
-    def propose_for(self, request: Request) -> list[int]:
+    def propose_for(self, request: DraftRequest) -> list[int]:
         """The tokens that followed the most recent earlier occurrence of the request's longest
         matching suffix."""
         tokens = request.all_token_ids
@@ -71,12 +70,12 @@ class NgramProposer(Drafter):
                 return tokens[start + n:start + n + k]
         return []
 
-    def _pack(self, request: Request) -> bytearray:
+    def _pack(self, request: DraftRequest) -> bytearray:
         """The request's token ids as int32 bytes, extended by the tokens since the last call."""
         cached = self._packed.get(request.request_id)
         tokens = request.all_token_ids
-        if cached is None or cached[0] is not request:
-            cached = (request, bytearray(array("i", tokens)))
+        if cached is None or cached[0] is not tokens:
+            cached = (tokens, bytearray(array("i", tokens)))
             self._packed[request.request_id] = cached
         packed = cached[1]
         done = len(packed) // _ITEM
