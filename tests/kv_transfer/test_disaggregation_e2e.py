@@ -14,6 +14,8 @@ proxy` in front of one prefill and one decode `serve` process, NIXL between them
 The decode instance verifies ngram drafts (--speculative-config), as a vLLM deployment's decode
 instances may: its greedy text must still be the one instance's, and it must have accepted some
 (the prompts repeat themselves); the prefill instance, which samples one token, drafts nothing.
+The same with async scheduling on both instances (the decode instance's drafts then proposed by
+its runner), in a deployment of its own.
 The three processes are shared by the module; only the kill tests restart the prefill instance.
 Every wait is bounded.
 """
@@ -226,6 +228,26 @@ def test_streamed_completion_and_chat_through_proxy(deployment, prompts, referen
     assert response.json()["choices"][0]["message"]["content"] == reference["chat"]
     assert stream_text(url, "/v1/chat/completions", chat) == reference["chat"]
     assert_kv_freed(deployment)
+
+
+def test_with_async_scheduling_on_both_instances(prompts, reference):
+    """Both instances schedule each step while the one before runs (the decode instance's drafts
+    then proposed by its runner): the prefill instance's held blocks are freed by the read's
+    notification although its steps overlap, the decode instance's read lands while a step is in
+    flight, and the text is the one instance's."""
+    d = Deployment("--async-scheduling")
+    try:
+        for server in (d.prefill, d.decode):
+            assert "async_scheduling=True" in server.log_path.read_text()
+        for name in ("short", "aligned", "long"):
+            assert complete(d.proxy.url, prompts[name])["choices"][0]["text"] == reference[name]
+            assert_kv_freed(d)
+        chat = {"messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0}
+        assert stream_text(d.proxy.url, "/v1/chat/completions", chat) == reference["chat"]
+        assert metric(d.decode, d.model, "vllm:spec_decode_num_accepted_tokens_total") > 0
+        assert_kv_freed(d)
+    finally:
+        d.close()
 
 
 def test_decode_side_prefix_hit_reads_only_the_rest(deployment, prompts, reference):

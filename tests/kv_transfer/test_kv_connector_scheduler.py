@@ -11,7 +11,7 @@ import time
 import pytest
 
 from minicore.config import CacheConfig, EngineConfig, SchedulerConfig, create_engine_config
-from minicore.engine.components import make_engine_core
+from minicore.engine.components import make_engine_core, scheduler_components
 from minicore.engine.core import EngineCore
 from minicore.kv_transfer.base import KVConnectorRole
 from minicore.kv_transfer.config import KVTransferConfig
@@ -19,20 +19,30 @@ from minicore.kv_transfer.nixl import NixlConnector
 from minicore.request import FinishReason, RequestStatus
 from minicore.scheduler import Scheduler
 from minicore.scheduler.output import KVConnectorOutput
-from minicore.testing import fake_model_output, make_request, num_free, step
+from minicore.testing import (
+    fake_model_output,
+    finish_step,
+    make_request,
+    num_free,
+    schedule_step,
+    step,
+)
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 32
 
 
-def make_pd_scheduler(engine_id: str, kv_load_failure_policy: str = "recompute") -> Scheduler:
+def make_pd_scheduler(engine_id: str, kv_load_failure_policy: str = "recompute",
+                      async_scheduling: bool = False) -> Scheduler:
     config = EngineConfig(
         cache_config=CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
         kv_transfer_config=KVTransferConfig("NixlConnector", "kv_both", engine_id,
                                             {"side_channel_port": 7000},
                                             kv_load_failure_policy=kv_load_failure_policy))
     connector = NixlConnector(config, KVConnectorRole.SCHEDULER)
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=64),
-                     config.cache_config, connector)
+    scheduler_config = SchedulerConfig(max_num_batched_tokens=64, max_model_len=64,
+                                       async_scheduling=async_scheduling)
+    return Scheduler(scheduler_config, config.cache_config, connector,
+                     **scheduler_components(scheduler_config, None, has_logits=True))
 
 
 def assert_empty(s: Scheduler) -> None:
@@ -122,6 +132,56 @@ def test_prefix_hit_on_the_decode_side_reads_only_the_tail():
         step(d)
     report(p, finished_sending={"r"})
     assert_empty(p)
+    assert_empty(d)
+
+
+def reported(in_flight, **kv_output):
+    """A step in flight (schedule_step's) whose worker side will report kv_output."""
+    in_flight[1].kv_connector_output = KVConnectorOutput(**kv_output)
+    return in_flight
+
+
+def test_with_async_scheduling_every_report_lands_with_a_step_in_flight():
+    """As EngineCore's batch queue steps: step N+1 is scheduled before N's output (and the
+    transfers it reports) is back."""
+    p, d = (make_pd_scheduler(name, async_scheduling=True) for name in "PD")
+    prompt = list(range(100, 110))
+    p.add_request(make_request("r", prompt, max_tokens=1,
+                               kv_transfer_params={"do_remote_decode": True}))
+    first = schedule_step(p)
+    # r's one token is in flight: nothing more is scheduled for it, and nothing is held yet.
+    second = schedule_step(p)
+    assert first[0].num_scheduled_tokens == {"r": 10} and not second[0].num_scheduled_tokens
+    assert not second[0].kv_connector_metadata.reqs_to_send
+    [output] = finish_step(p, first).outputs
+    params = output.kv_transfer_params
+    assert output.finish_reason == FinishReason.LENGTH and params["do_remote_prefill"]
+    assert num_free(p) == NUM_BLOCKS - 4  # held for the peer
+    third = schedule_step(p)
+    assert list(third[0].kv_connector_metadata.reqs_to_send) == ["r"]
+    finish_step(p, second)
+
+    d.add_request(make_request("r", prompt, max_tokens=3, kv_transfer_params=params))
+    parked = schedule_step(d)
+    assert "r" in parked[0].kv_connector_metadata.reqs_to_recv
+    in_flight = schedule_step(d)
+    finish_step(d, parked)
+    # The read ends in a step that runs while the next one is scheduled.
+    landed = reported(schedule_step(d), finished_recving={"r"})
+    finish_step(d, in_flight)
+    in_flight = schedule_step(d)
+    assert not in_flight[0].num_scheduled_tokens  # the report is not back yet
+    finish_step(d, landed)
+    # The peer's read notification lands while the prefill side has a step in flight too.
+    finish_step(p, reported(third, finished_sending={"r"}))
+    assert_empty(p)
+    tokens = []
+    while d.has_requests():
+        scheduled = schedule_step(d)
+        tokens += finish_step(d, in_flight).tokens.get("r", [])
+        in_flight = scheduled
+    finish_step(d, in_flight)
+    assert len(tokens) == 3
     assert_empty(d)
 
 
