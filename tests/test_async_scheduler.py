@@ -5,6 +5,8 @@ flight. Steps overlap as EngineCore's batch queue overlaps them: step N+1 is sch
 step N's output is back (minicore.testing's schedule_step / finish_step)."""
 
 from minicore.request import RequestStatus
+from minicore.scheduler.output import ModelRunnerOutput
+from minicore.spec_decode.config import SpeculativeConfig
 from minicore.testing import (
     FAKE_TOKEN_BASE,
     finish_step,
@@ -173,3 +175,75 @@ def test_the_skip_stops_at_max_model_len_without_max_tokens():
     s.add_request(make_request("a", 6, max_tokens=None))
     assert run_overlapped(s) == {"a": [T, T + 1]}
     assert num_free(s) == 63
+
+
+# ---- drafts: proposed by the runner, placeholders here -------------------------------------------
+
+NGRAM3 = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+
+
+def runner_output(out, sampled: dict[str, list[int]], num_drafts: dict[str, int]):
+    """What a runner that drafts itself returns: per request its tokens, and how many drafts it
+    ran in the placeholders' place."""
+    req_ids = list(out.num_scheduled_tokens)
+    return ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)},
+                             [sampled.get(r, []) for r in req_ids], num_draft_tokens=num_drafts)
+
+
+def test_with_drafts_a_request_that_samples_gets_placeholders_and_counts_them_accepted():
+    s = async_scheduler(speculative_config=NGRAM3)
+    s.add_request(make_request("a", 6, max_tokens=20))
+    a = s.requests["a"]
+    first = s.schedule()
+    assert a.spec_token_ids == [-1, -1, -1]
+    assert (a.num_computed_tokens, a.num_output_placeholders) == (6, 1)
+    second = s.schedule()  # before the first step's token is known: its drafts are unknown too
+    assert second.num_scheduled_tokens == {"a": 4}
+    assert second.scheduled_spec_decode_tokens == {"a": [-1, -1, -1]}
+    assert (a.num_computed_tokens, a.num_output_placeholders) == (10, 5)
+    s.update_from_output(first, runner_output(first, {"a": [T]}, {}))
+    assert (a.num_computed_tokens, a.num_tokens, a.num_output_placeholders) == (10, 7, 4)
+    third = s.schedule()
+    assert third.num_scheduled_tokens == {"a": 4}
+    # The runner found two drafts for the second step, and the model took the first.
+    s.update_from_output(second, runner_output(second, {"a": [T + 1, T + 2]}, {"a": 2}))
+    # Three placeholders scheduled, one accepted: two positions to compute again.
+    assert (a.num_computed_tokens, a.num_tokens, a.num_output_placeholders) == (12, 9, 4)
+    stats = s.spec_decode.stats
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 2, 1)
+    # A step whose runner found no draft counts as no draft.
+    s.update_from_output(third, runner_output(third, {"a": [T + 3]}, {}))
+    assert (stats.num_drafts, a.num_computed_tokens, a.num_output_placeholders) == (1, 9, 0)
+    assert a.num_computed_tokens == a.num_tokens - 1
+
+
+def test_placeholder_drafts_stop_short_of_max_model_len_and_at_disable_by_batch_size():
+    s = async_scheduler(speculative_config=NGRAM3, max_model_len=10)
+    s.add_request(make_request("a", 6, max_tokens=None))
+    s.schedule()
+    # The newest token goes to position 6 next step: drafts may take 7 and 8, not 9.
+    assert s.requests["a"].spec_token_ids == [-1, -1]
+    s = async_scheduler(speculative_config=SpeculativeConfig(
+        method="ngram", num_speculative_tokens=3, disable_by_batch_size=2))
+    for name in "ab":
+        s.add_request(make_request(name, 6))
+    s.schedule()
+    assert all(r.spec_token_ids == [] for r in s.requests.values())
+
+
+def test_a_request_with_a_grammar_gets_no_placeholder_drafts():
+    s = async_scheduler(speculative_config=NGRAM3)
+    s.add_request(make_request("a", 6))
+    s.requests["a"].structured_output_request = object()
+    s.schedule()
+    assert s.requests["a"].spec_token_ids == []
+
+
+def test_with_drafts_overlapped_steps_finish_every_request_and_free_every_block():
+    s = async_scheduler(speculative_config=NGRAM3, num_blocks=13, max_num_seqs=3)
+    for name, n in zip("abc", (3, 9, 17)):
+        s.add_request(make_request(name, 8, max_tokens=n))
+    # The fake runner rejects every placeholder draft: one token a step, as without drafts.
+    outputs = run_overlapped(s)
+    assert {r: len(tokens) for r, tokens in outputs.items()} == {"a": 3, "b": 9, "c": 17}
+    assert num_free(s) == 12 and s.num_preemptions > 0

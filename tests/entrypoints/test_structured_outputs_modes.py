@@ -1,5 +1,5 @@
 """Structured outputs served as vLLM's tests send them, in each engine mode: the default, async
-scheduling and ngram drafts each give every constrained request (JSON schema, regex, choice,
+scheduling, ngram drafts and both each give every constrained request (JSON schema, regex, choice,
 EBNF and Lark grammars, a structural tag, required and named tool calls) the same greedy answer,
 valid, in float32; and a named or required tool call cut by max_tokens is no call, streamed or
 not (vLLM's test_max_tokens_with_tool_choice_required)."""
@@ -77,10 +77,11 @@ def default_answers(structured_server) -> list[dict]:
     return _answers(structured_server.url)
 
 
-@pytest.mark.parametrize("mode", [
-    ("--async-scheduling",),
-    ("--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3})),
-], ids=["async-scheduling", "ngram-drafts"])
+NGRAM = ("--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3}))
+
+
+@pytest.mark.parametrize("mode", [("--async-scheduling",), NGRAM, ("--async-scheduling", *NGRAM)],
+                         ids=["async-scheduling", "ngram-drafts", "both"])
 def test_every_constraint_gives_the_default_modes_answer(mode, default_answers):
     with ServerProcess("--max-model-len", "512", "--kv-cache-memory", str(64 << 20),
                        "--max-num-seqs", "8", "--enable-auto-tool-choice",
