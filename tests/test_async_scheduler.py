@@ -231,14 +231,6 @@ def test_placeholder_drafts_stop_short_of_max_model_len_and_at_disable_by_batch_
     assert all(r.spec_token_ids == [] for r in s.requests.values())
 
 
-def test_a_request_with_a_grammar_gets_no_placeholder_drafts():
-    s = async_scheduler(speculative_config=NGRAM3)
-    s.add_request(make_request("a", 6))
-    s.requests["a"].structured_output_request = object()
-    s.schedule()
-    assert s.requests["a"].spec_token_ids == []
-
-
 def test_with_drafts_overlapped_steps_finish_every_request_and_free_every_block():
     s = async_scheduler(speculative_config=NGRAM3, num_blocks=13, max_num_seqs=3)
     for name, n in zip("abc", (3, 9, 17)):

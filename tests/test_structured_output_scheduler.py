@@ -48,7 +48,7 @@ class FakeManager(SkipsUncompiled):
         scheduler_output.structured_output_request_ids = rows
         scheduler_output.grammar_bitmask = list(rows)
 
-    def accept_tokens(self, outputs, requests):
+    def accept_tokens(self, outputs, requests, proposals):
         for output in outputs:
             if (matcher := requests[output.request_id].structured_output_request) is not None:
                 matcher.accepted.extend(output.new_token_ids)

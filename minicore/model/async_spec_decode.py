@@ -7,7 +7,8 @@ the forward's thread, as the ngram_gpu method runs it. The scheduler scheduled s
 knew step N's rejections (minicore/scheduler/async_scheduler.py), so for a request N verified its
 count runs ahead by N's rejected drafts; the runner knows the true one, and the position each
 token goes to. The drafts scheduled are placeholders: the runner runs its own proposals in their
-place, as many as it has (at most as many as were scheduled), and reports the count. Left out:
+place, as many as it has (at most as many as were scheduled), and reports the count, and its
+proposals, from which the scheduler's side fills a structured request's bitmask rows. Left out:
 proposers that run a model.
 """
 
@@ -54,3 +55,7 @@ class AsyncSpecDecodeSampler(SpecDecodeSampler):
             self._num_computed[req_id] = len(state.token_ids) - 1
             self._drafts[req_id] = self.drafter.propose_for(DraftRequest(
                 req_id, state.token_ids, state.num_prompt_tokens, state.sampling_params))
+        # Sent back with the tokens: a grammar's bitmask rows for the drafts are filled from them
+        # (minicore/structured_output/manager.py).
+        output.draft_token_ids = {output.req_ids[row]: self._drafts[output.req_ids[row]]
+                                  for row in rows}

@@ -268,11 +268,12 @@ class GrammarRow:
 
 def take_grammar_rows(so: SchedulerOutput, requests: dict[str, CachedRequestState]) -> None:
     """Before the forward: each structured request's row of the step's grammar bitmask for the
-    token it samples, after one per draft it verifies (apply_grammar_bitmask reads them)."""
+    token it samples, after one per draft it verifies (apply_grammar_bitmask reads them): the
+    drafts it runs, which can be fewer than the placeholders scheduled (async_spec_decode.py)."""
     for req_id, first in so.structured_output_request_ids.items():
-        drafts = so.scheduled_spec_decode_tokens.get(req_id, ())
-        requests[req_id].grammar_bitmask = GrammarRow(so.grammar_bitmask, first + len(drafts),
-                                                      so.grammar_filled)
+        state = requests[req_id]
+        state.grammar_bitmask = GrammarRow(so.grammar_bitmask, first + len(state.spec_token_ids),
+                                           so.grammar_filled)
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, states: Sequence[CachedRequestState]) -> None:

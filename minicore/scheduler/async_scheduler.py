@@ -14,8 +14,6 @@ With drafts, a request that samples also gets num_speculative_tokens draft place
 _spec_token_placeholders): the runner proposes the drafts themselves right after it samples
 (minicore/model/async_spec_decode.py), so the next step verifies them although nobody here knows
 them. Its num_computed_tokens then counts every draft as accepted until the output says otherwise.
-Left out: drafts for a request with a grammar (its bitmask rows would need the runner's drafts
-here), which decodes one token a step under async scheduling with drafts.
 """
 
 from minicore.request import Request
@@ -60,7 +58,7 @@ class OutputPlaceholders(NoPlaceholders):
             if (request.num_computed_tokens - num_drafts
                     == request.num_tokens + request.num_output_placeholders):
                 request.num_output_placeholders += 1 + num_drafts
-                if draft and request.structured_output_request is None:
+                if draft:
                     # The newest placeholder is computed at num_computed_tokens next step; no
                     # draft may reach max_model_len - 1 (as SpecDecode cuts proposals).
                     room = self.max_model_len - 2 - request.num_computed_tokens

@@ -156,11 +156,11 @@ class NoStructuredOutput:
                         requests: dict[str, Request]) -> None:
         pass
 
-    def accept_tokens(self, outputs: list[EngineCoreOutput],
-                      requests: dict[str, Request]) -> Sequence[str]:
+    def accept_tokens(self, outputs: list[EngineCoreOutput], requests: dict[str, Request],
+                      proposals: dict[str, list[int]]) -> Sequence[str]:
         """Advance each structured request's matcher with the tokens it sampled this step; the
         ids of the requests to end (their grammar did not compile: their error outputs are
-        appended to outputs)."""
+        appended to outputs). proposals: ModelRunnerOutput.draft_token_ids."""
         return ()
 
 

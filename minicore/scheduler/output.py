@@ -100,8 +100,10 @@ class ModelRunnerOutput:
     logprobs: dict[str, LogprobsLists] | None = None
     prompt_logprobs: dict[str, LogprobsLists] | None = None
     # With drafts proposed by the runner (async scheduling): per request that verified drafts, how
-    # many it ran, at most the placeholders scheduled.
+    # many it ran (at most the placeholders scheduled), and per request that sampled, the drafts
+    # it proposed for the request's next step (vLLM: DraftTokenIds).
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

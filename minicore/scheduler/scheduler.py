@@ -384,7 +384,8 @@ class Scheduler:
                 finished.append((request, status, output))
         self.logprobs.add(outputs, requests, scheduler_output, model_runner_output)
         # Requests a component ends with an error, their outputs already in outputs.
-        ended = self.structured_output_manager.accept_tokens(outputs, requests)
+        ended = self.structured_output_manager.accept_tokens(
+            outputs, requests, model_runner_output.draft_token_ids)
         if finished:
             self._finish(finished)
         failed_loads, freed = self.remote_kv.update_from_kv_xfer_finished(

@@ -13,7 +13,8 @@ structured request.
 With drafts a request gets a bitmask row per position it verifies (the matcher advanced through
 its drafts, then rolled back); with async scheduling a step scheduled before the token in flight
 is back has its bitmask filled when the update brings that token, while its forward runs (the
-runner waits for it before it samples). Left out: the guidance and outlines backends, reasoning
+runner waits for it before it samples). With both, the drafts are the runner's, which it proposed
+when it sampled that token and sends back with it (ModelRunnerOutput.draft_token_ids). Left out: the guidance and outlines backends, reasoning
 parsers.
 """
 
@@ -48,6 +49,8 @@ class StructuredOutputRequest:
     params: StructuredOutputsParams
     compiled: Future
     matcher: object = None
+    # Async scheduling with drafts: what the runner proposed for the request's next step.
+    proposals: list[int] = ()
 
 
 class CompiledGrammarCache:
@@ -81,7 +84,9 @@ class CompiledGrammarCache:
 class StructuredOutputManager(SkipsUncompiled):
     def __init__(self, tokenizer, vocab_size: int, disable_any_whitespace: bool = False,
                  cache_limit_bytes: int = DEFAULT_CACHE_MB << 20,
-                 max_whitespace_cnt: int | None = None):
+                 max_whitespace_cnt: int | None = None, runner_drafts: bool = False):
+        """runner_drafts: the runner proposes the drafts (async scheduling with drafts), so a
+        step's scheduled drafts are placeholders for its proposals."""
         super().__init__()
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -101,6 +106,7 @@ class StructuredOutputManager(SkipsUncompiled):
         # Steps scheduled before a structured request's token in flight was back, oldest first,
         # with the structured requests they scheduled: their bitmasks wait for those tokens.
         self._pending: list[tuple[SchedulerOutput, dict[str, Request]]] = []
+        self._draft_ids = _proposed_drafts if runner_drafts else _scheduled_drafts
         self.scheduler_side = self
 
     def grammar_init(self, request: Request) -> None:
@@ -183,7 +189,7 @@ class StructuredOutputManager(SkipsUncompiled):
             first += 1 + len(drafts.get(req_id, ()))
         scheduler_output.structured_output_request_ids = rows
         scheduler_output.grammar_bitmask = xgr.allocate_token_bitmask(first, self.vocab_size)
-        if any(r.num_output_placeholders > 1 for r in scheduled.values()):
+        if _tokens_in_flight(scheduler_output, scheduled):
             # Past the placeholder this step samples: a token the matcher has not seen yet.
             scheduler_output.pending_structured_output_tokens = True
             scheduler_output.grammar_filled = threading.Event()
@@ -195,18 +201,21 @@ class StructuredOutputManager(SkipsUncompiled):
         """Each row: the tokens the matcher allows after the request's tokens and its drafts
         before that position; the matcher is rolled back after. Rows past a draft the grammar
         refuses, or past the grammar's end, allow every token: the draft is rejected there (its
-        row forbids it), so those positions are never sampled."""
+        row forbids it), so those positions are never sampled; so are the rows of placeholders
+        the runner had no proposal for."""
         bitmask = scheduler_output.grammar_bitmask
         drafts = scheduler_output.scheduled_spec_decode_tokens
         for req_id, first in scheduler_output.structured_output_request_ids.items():
             request = scheduled[req_id]
             if request.is_finished():
                 continue
-            matcher = request.structured_output_request.matcher
+            so_request = request.structured_output_request
+            matcher = so_request.matcher
             advanced = 0
             # A grammar ends on its stop token; a request that goes on past it (ignore_eos, or a
             # stop token the request does not stop on) is free from then on, as in vLLM.
-            for row, token_id in enumerate([*drafts.get(req_id, ()), None]):
+            draft_ids = self._draft_ids(drafts.get(req_id, ()), so_request)
+            for row, token_id in enumerate([*draft_ids, None]):
                 if matcher.is_terminated():
                     break
                 matcher.fill_next_token_bitmask(bitmask, first + row)
@@ -221,18 +230,23 @@ class StructuredOutputManager(SkipsUncompiled):
         step samples left), in order."""
         while self._pending:
             scheduler_output, scheduled = self._pending[0]
-            if any(not r.is_finished() and r.num_output_placeholders > 1
-                   for r in scheduled.values()):
+            if _tokens_in_flight(scheduler_output, scheduled):
                 return
             self._pending.pop(0)
             self._fill(scheduler_output, scheduled)
             scheduler_output.grammar_filled.set()
 
-    def accept_tokens(self, outputs: list[EngineCoreOutput],
-                      requests: dict[str, Request]) -> Sequence[str]:
+    def accept_tokens(self, outputs: list[EngineCoreOutput], requests: dict[str, Request],
+                      proposals: dict[str, list[int]]) -> Sequence[str]:
+        """Advance each matcher by its request's new tokens, then fill the bitmasks that waited
+        for them. proposals: the runner's drafts for each request's next step (runner_drafts)."""
         if not self._structured:
             self._fill_pending()
             return ()
+        if proposals:
+            for request in self._structured:
+                if (drafts := proposals.get(request.request_id)) is not None:
+                    request.structured_output_request.proposals = drafts
         for output in outputs:
             so_request = requests[output.request_id].structured_output_request
             if so_request is None or so_request.matcher.is_terminated():
@@ -286,9 +300,29 @@ def make_structured_output_manager(config, model_runner, has_logits: bool):
     if reason := structured_outputs_unsupported(config, has_logits):
         return RefusedStructuredOutput(reason)
     so_config = config.structured_outputs_config
+    runner_drafts = (config.speculative_config is not None
+                     and config.scheduler_config.async_scheduling)
     return StructuredOutputManager(model_runner.tokenizer, model_runner.vocab_size,
                                    so_config.disable_any_whitespace, cache_limit_mb() << 20,
-                                   so_config.max_whitespace_cnt)
+                                   so_config.max_whitespace_cnt, runner_drafts)
+
+
+def _tokens_in_flight(scheduler_output: SchedulerOutput, scheduled: dict[str, Request]) -> bool:
+    """Whether a structured request of the step has tokens in flight besides the step's own (a
+    placeholder for its token and one per draft it verifies): its bitmask must wait for them."""
+    drafts = scheduler_output.scheduled_spec_decode_tokens
+    return any(not r.is_finished()
+               and r.num_output_placeholders > 1 + len(drafts.get(req_id, ()))
+               for req_id, r in scheduled.items())
+
+
+def _scheduled_drafts(scheduled: list[int], so_request: StructuredOutputRequest) -> list[int]:
+    return scheduled
+
+
+def _proposed_drafts(scheduled: list[int], so_request: StructuredOutputRequest) -> list[int]:
+    """The drafts the runner runs in the placeholders' place (AsyncSpecDecodeSampler)."""
+    return so_request.proposals[:len(scheduled)]
 
 
 def cache_limit_mb() -> int:

@@ -7,6 +7,7 @@ Rank 0 runs three requests whose forwards carry different numbers of tokens from
 forwards, which must still meet rank 0's in every MoE layer. The prompts repeat a short random
 phrase, so that the ngram drafter finds matches; the test checks that drafts were verified and
 some accepted on rank 0 (its SchedulerStats), so that it tests verification, not an idle drafter.
+The same with async scheduling, where each rank's runner proposes its drafts as it samples.
 """
 
 import asyncio
@@ -35,8 +36,9 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 async def test_dp2_expert_parallel_with_ngram_drafts_gives_the_tokens_of_one_engine(
-        moe_model_dir):
+        moe_model_dir, async_scheduling):
     model_dir = moe_model_dir("qwen3_moe")
     reference_llm = LLM(model_dir, **ENGINE_ARGS)
     vocab_size = reference_llm.llm_engine.model_runner.vocab_size
@@ -51,7 +53,8 @@ async def test_dp2_expert_parallel_with_ngram_drafts_gives_the_tokens_of_one_eng
     config = create_engine_config(model=model_dir, data_parallel_size=2,
                                   data_parallel_rpc_port=free_port_pair(),
                                   enable_expert_parallel=True,
-                                  speculative_config=SPECULATIVE_CONFIG, **ENGINE_ARGS)
+                                  speculative_config=SPECULATIVE_CONFIG,
+                                  async_scheduling=async_scheduling, **ENGINE_ARGS)
     async with dp_client(config) as client:
         async def run(i: int) -> list[int]:
             outputs = [o async for o in client.generate(prompts[i], params[i], f"req-{i}",

@@ -1,4 +1,5 @@
-"""Structured outputs with async scheduling and with drafts, on the real default model in float32:
+"""Structured outputs with async scheduling, with drafts and with both, on the real default model in
+float32:
 every kind of constraint, beside plain requests, gives the same greedy outputs as one step at a
 time without drafts; a step scheduled before a structured token in flight is back waits for its
 bitmask (and really is scheduled so); drafts are verified against a row per position, and ones the
@@ -97,6 +98,37 @@ def test_drafts_give_the_outputs_without_drafts_and_are_verified_per_position(
     # Some structured requests verified drafts, each position against its own row: rows differ.
     assert drafted and any(not (rows == rows[0]).all() for rows in drafted if len(rows) > 1)
     assert_idle(llm)
+
+
+def test_async_scheduling_with_drafts_gives_the_outputs_of_one_step_at_a_time(
+        hf_model_and_tokenizer, reference):
+    """The runner proposes the drafts as it samples; a structured request's rows for them are
+    filled from its proposals, sent back with the token they follow."""
+    model, tokenizer = hf_model_and_tokenizer
+    llm = LLM(model, tokenizer=tokenizer, async_scheduling=True, speculative_config=NGRAM,
+              **ENGINE_ARGS)
+    manager = llm.llm_engine.structured_output_manager
+    fill, filled = manager._fill, []
+
+    def record(scheduler_output, scheduled):
+        fill(scheduler_output, scheduled)
+        for req_id in scheduler_output.structured_output_request_ids:
+            if proposals := scheduled[req_id].structured_output_request.proposals:
+                filled.append(proposals)
+    manager._fill = record
+    assert _outputs(llm) == reference
+    assert filled and not manager._pending
+    assert_idle(llm)
+    # The structured requests alone propose and accept the drafts they do without async
+    # scheduling.
+    sync = LLM(model, tokenizer=tokenizer, speculative_config=NGRAM, **ENGINE_ARGS)
+    counts = []
+    for engine in (llm, sync):
+        stats = engine.llm_engine.scheduler.spec_decode.stats
+        before = (stats.num_draft_tokens, stats.num_accepted_tokens)
+        engine.generate(PROMPTS[:-1], PARAMS[:-1], use_tqdm=False)
+        counts.append((stats.num_draft_tokens - before[0], stats.num_accepted_tokens - before[1]))
+    assert counts[0] == counts[1] and counts[0][1] > 0
 
 
 def test_a_draft_the_grammar_refuses_is_rejected(hf_model_and_tokenizer):
