@@ -14,8 +14,8 @@ With drafts a request gets a bitmask row per position it verifies (the matcher a
 its drafts, then rolled back); with async scheduling a step scheduled before the token in flight
 is back has its bitmask filled when the update brings that token, while its forward runs (the
 runner waits for it before it samples). With both, the drafts are the runner's, which it proposed
-when it sampled that token and sends back with it (ModelRunnerOutput.draft_token_ids). Left out: the guidance and outlines backends, reasoning
-parsers.
+when it sampled that token and sends back with it (ModelRunnerOutput.draft_token_ids). Left out:
+the guidance and outlines backends, reasoning parsers.
 """
 
 import logging
