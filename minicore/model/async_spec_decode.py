@@ -27,6 +27,9 @@ class AsyncSpecDecodeSampler(SpecDecodeSampler):
         # computed (all but the newest).
         self._drafts: dict[str, list[int]] = {}
         self._num_computed: dict[str, int] = {}
+        # Whether this step's requests are few enough to draft for (disable_by_batch_size, which
+        # the scheduler applies to its placeholders the same way).
+        self._drafting = True
 
     def take_drafts(self, so: SchedulerOutput, requests: dict[str, CachedRequestState]) -> None:
         """Before the forward: the true computed counts, and the drafts in the placeholders'
@@ -36,6 +39,8 @@ class AsyncSpecDecodeSampler(SpecDecodeSampler):
                 self._drafts.pop(req_id, None)
                 self._num_computed.pop(req_id, None)
             self.drafter.forget(gone)
+        limit = self.drafter.disable_by_batch_size
+        self._drafting = not limit or len(requests) < limit
         for req_id in so.scheduled_cached_reqs.req_ids:
             if (num_computed := self._num_computed.pop(req_id, None)) is not None:
                 requests[req_id].num_computed_tokens = num_computed
@@ -50,12 +55,14 @@ class AsyncSpecDecodeSampler(SpecDecodeSampler):
         num_drafts = {output.req_ids[row]: len(states[row].spec_token_ids) for row in rows}
         super().__call__(hidden, query_start_loc, states, rows, output)
         output.num_draft_tokens = {req_id: n for req_id, n in num_drafts.items() if n}
+        proposals = {}
         for row in rows:
             state, req_id = states[row], output.req_ids[row]
             self._num_computed[req_id] = len(state.token_ids) - 1
-            self._drafts[req_id] = self.drafter.propose_for(DraftRequest(
-                req_id, state.token_ids, state.num_prompt_tokens, state.sampling_params))
+            proposals[req_id] = self.drafter.propose_for(DraftRequest(
+                req_id, state.token_ids, state.num_prompt_tokens, state.sampling_params)
+            ) if self._drafting else []
+        self._drafts.update(proposals)
         # Sent back with the tokens: a grammar's bitmask rows for the drafts are filled from them
         # (minicore/structured_output/manager.py).
-        output.draft_token_ids = {output.req_ids[row]: self._drafts[output.req_ids[row]]
-                                  for row in rows}
+        output.draft_token_ids = proposals

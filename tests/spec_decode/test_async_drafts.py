@@ -149,3 +149,16 @@ def test_served_with_drafts_and_async_scheduling(llms):
             counters = spec_counters(http.get("/metrics").text)
     accepted = counters["vllm:spec_decode_num_accepted_tokens_total", None]
     assert 0 < accepted <= counters["vllm:spec_decode_num_draft_tokens_total", None]
+
+
+def test_disable_by_batch_size_holds_the_drafts_back_while_the_batch_is_large(
+        hf_model_and_tokenizer, llms):
+    """Three requests with disable_by_batch_size 3: no drafts until the shortest finishes."""
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (4, 24, 32)]
+    llm = make_llm(hf_model_and_tokenizer, async_scheduling=True,
+                   speculative_config={**SPEC, "disable_by_batch_size": 3})
+    assert completions(llm, params) == completions(llms["plain"], params)
+    drafts = llm.llm_engine.scheduler.spec_decode.stats.num_drafts
+    unlimited = stats(llms["async+drafts"])[0]
+    completions(llms["async+drafts"], params)
+    assert 0 < drafts < stats(llms["async+drafts"])[0] - unlimited
