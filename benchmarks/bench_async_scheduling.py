@@ -21,7 +21,9 @@ Parts (--parts, default: period model):
           alternates with --repeat): benchmarks/bench_serve.py at --max-concurrency 16, 64 random
           prompts of 128 tokens, 128 output tokens, EOS ignored; output tok/s.
 period and model also check that every request's tokens are equal off and on. The CPU model and
-flags are printed; results go to benchmarks/results/bench_async_scheduling.json.
+flags are printed; results go to benchmarks/results/bench_async_scheduling.json. With
+--speculative-config both sides of model and served verify drafts (with async scheduling on, the
+runner proposes them as it samples).
 
     python benchmarks/bench_async_scheduling.py [--parts period model served] [--step-ms 2 20] \
         [--steps 50] [--repeat 2] [--quick]    # quick: 20 steps, 16 prompts
@@ -167,8 +169,10 @@ def model_part(args) -> dict:
     model, tokenizer = load_model(dtype="float32", device="cpu")
     # One loaded model for both engines: each runner swaps in the same paged attention and
     # linear layers, and the KV cache is each runner's own.
+    spec = json.loads(args.speculative_config) if args.speculative_config else None
     llms = {mode: LLM(model, tokenizer=tokenizer, async_scheduling=on, max_model_len=1024,
-                      max_num_seqs=args.num_prompts) for mode, on in MODES.items()}
+                      max_num_seqs=args.num_prompts, speculative_config=spec)
+            for mode, on in MODES.items()}
     vocab = model.config.vocab_size
     for llm in llms.values():  # first allocations and kernel setup: untimed
         generate(llm, [(p, 16) for p, _ in make_workload("uniform", 4, vocab, seed=99)])
@@ -198,8 +202,10 @@ def served_part(args) -> dict:
             for mode in (list(MODES) if r % 2 == 0 else list(reversed(MODES))):
                 procs = Processes()
                 try:
+                    spec = (["--speculative-config", args.speculative_config]
+                            if args.speculative_config else [])
                     url = procs.start("serve", "--async-scheduling" if MODES[mode]
-                                      else "--no-async-scheduling")
+                                      else "--no-async-scheduling", *spec)
                     procs.wait_healthy(url)
                     result = run_bench(url, mode, bench_args, Path(result_dir))
                 finally:
@@ -229,6 +235,10 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=None, help="model, served (64; quick 16)")
     ap.add_argument("--repeat", type=int, default=2, help="runs of each side, order alternated")
     ap.add_argument("--quick", action="store_true", help="fewer steps and prompts")
+    ap.add_argument("--speculative-config", default=None,
+                    help='model, served: both sides verify drafts, e.g. \'{"method": "ngram", '
+                         '"num_speculative_tokens": 3}\' (with async scheduling the runner '
+                         'proposes them)')
     ap.add_argument("--json",
                     default=str(Path(__file__).parent / "results" / "bench_async_scheduling.json"))
     args = ap.parse_args()

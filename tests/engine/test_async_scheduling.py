@@ -1,8 +1,9 @@
 """Async scheduling end to end on the real default model: with the batch queue (the next step
 scheduled while the forward of this one runs), every output equals the one of an engine that
 steps one at a time, token for token, with stops, max_tokens, min_tokens, logprobs, n > 1 and
-prefix caching; aborts and preemptions with a step in flight leave no output behind and no block
-held; and the engine process (AsyncLLM) streams the same tokens and survives an abort mid-stream.
+prefix caching; aborts (with drafts in flight too) and preemptions with a step in flight leave
+no output behind and no block held; and the engine process (AsyncLLM) streams the same tokens and
+survives an abort mid-stream.
 """
 
 import asyncio
@@ -83,10 +84,13 @@ def test_preemptions_with_a_step_in_flight_change_no_output(hf_model_and_tokeniz
     assert results[True] == results[False]
 
 
+@pytest.mark.parametrize("drafts", [None, {"method": "ngram", "num_speculative_tokens": 3}],
+                         ids=["plain", "with-drafts"])
 def test_an_abort_with_a_step_in_flight_gives_no_output_and_frees_its_blocks(
-        hf_model_and_tokenizer):
+        hf_model_and_tokenizer, drafts):
     model, tokenizer = hf_model_and_tokenizer
-    config = create_engine_config(async_scheduling=True, **ENGINE_ARGS)
+    config = create_engine_config(async_scheduling=True, speculative_config=drafts,
+                                  **ENGINE_ARGS)
     engine = make_engine_core(config, model, tokenizer)
     ids = tokenizer(PROMPTS[0]).input_ids
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
@@ -102,6 +106,8 @@ def test_an_abort_with_a_step_in_flight_gives_no_output_and_frees_its_blocks(
     for _ in range(4):
         step()
     assert engine.batch_queue.has_pending()  # a step that runs a and b is in flight
+    # With drafts, it verifies a's placeholder drafts too.
+    assert engine.scheduler.requests["a"].num_output_placeholders == (4 if drafts else 1)
     engine.abort_requests(["a"])
     num_a = len(tokens["a"])
     while engine.scheduler.has_unfinished_requests():
@@ -109,6 +115,7 @@ def test_an_abort_with_a_step_in_flight_gives_no_output_and_frees_its_blocks(
     assert len(tokens["a"]) == num_a  # nothing after the abort
     assert len(tokens["b"]) == 20
     assert engine.scheduler.kv_cache_manager.usage == 0 and not engine.scheduler.running
+    assert "a" not in engine.model_runner.requests
     # A new request under the aborted one's id gets its own tokens, from its own first step.
     engine.add_request(Request("a", ids, SamplingParams(max_tokens=20, temperature=0,
                                                         ignore_eos=True)))

@@ -2,10 +2,11 @@
 each request's ngram drafts right after it samples (minicore/model/async_spec_decode.py) and
 verifies them in the step the scheduler scheduled meanwhile with placeholders. Greedy output
 equals greedy output one step at a time without drafts, token for token (stops, max_tokens up to
-max_model_len, preemptions with a step in flight); the drafts proposed and accepted are those of
-drafts without async scheduling, so seeded sampling draws the same tokens too; an abort with a
-step in flight leaves nothing behind; and a served engine (`serve --async-scheduling
---speculative-config`) gives the offline text and counts its drafts in /metrics."""
+max_model_len, preemptions with a step in flight, disable_by_batch_size); the drafts proposed and
+accepted are those of drafts without async scheduling, so seeded sampling draws the same tokens
+too; and a served engine (`serve --async-scheduling --speculative-config`) gives the offline text
+and counts its drafts in /metrics. An abort with drafts in flight:
+tests/engine/test_async_scheduling.py."""
 
 import json
 
@@ -14,11 +15,8 @@ import pytest
 from server_helpers import ServerProcess
 from test_spec_decode_e2e import GREEDY, PROMPTS, SPEC, completions, spec_counters
 
-from minicore.config import create_engine_config
-from minicore.engine.components import make_engine_core
 from minicore.llm import LLM
 from minicore.model.async_spec_decode import AsyncSpecDecodeSampler
-from minicore.request import Request
 from minicore.sampling_params import SamplingParams
 from minicore.spec_decode.drafter import NoDrafter
 
@@ -108,32 +106,6 @@ def test_preemptions_with_drafts_in_flight_change_no_output(hf_model_and_tokeniz
     assert completions(llm, params, prompts) == expected
     scheduler = llm.llm_engine.scheduler
     assert scheduler.num_preemptions > 0 and scheduler.kv_cache_manager.usage == 0
-
-
-def test_an_abort_with_drafts_in_flight_frees_everything(hf_model_and_tokenizer):
-    model, tokenizer = hf_model_and_tokenizer
-    config = create_engine_config(async_scheduling=True, speculative_config=SPEC, **ENGINE_ARGS)
-    engine = make_engine_core(config, model, tokenizer)
-    ids = tokenizer(PROMPTS[0]).input_ids
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    for name in "ab":
-        engine.add_request(Request(name, ids, params))
-    tokens: dict[str, list[int]] = {"a": [], "b": []}
-
-    def step():
-        for output in engine.step_fn()[0]:
-            tokens[output.request_id].extend(output.new_token_ids)
-
-    while not engine.scheduler.requests["a"].num_output_placeholders > 1:
-        step()  # until a's step in flight verifies drafts
-    engine.abort_requests(["a"])
-    num_a = len(tokens["a"])
-    while engine.scheduler.has_unfinished_requests():
-        step()
-    assert len(tokens["a"]) == num_a and len(tokens["b"]) == 24
-    assert engine.scheduler.kv_cache_manager.usage == 0 and not engine.scheduler.running
-    assert "a" not in engine.model_runner.sample_step._drafts
-    engine.shutdown()
 
 
 def test_served_with_drafts_and_async_scheduling(llms):
