@@ -33,26 +33,26 @@ def use_cpu_layers(model: torch.nn.Module, kernels: ctypes.CDLL | None) -> int:
         return bound
     for module in model.modules():
         forward = type(module).forward
-        if _same_code(forward, modeling_llama.LlamaRMSNorm.forward):
+        if same_code(forward, modeling_llama.LlamaRMSNorm.forward):
             module.forward = functools.partial(_norm, kernels, module, forward.__get__(module))
             bound += 1
-        elif _llama_rotary(_unwrapped(forward)):
-            original = _unwrapped(forward).__globals__["apply_rotary_pos_emb"]
-            fast = functools.partial(_rotary, kernels, original)
+        elif llama_rotary(unwrapped(forward)):
+            original = unwrapped(forward).__globals__["apply_rotary_pos_emb"]
+            fast = functools.partial(rotary_pos_emb, kernels, original)
             module.forward = _with_global(forward, "apply_rotary_pos_emb", fast).__get__(module)
             bound += 1
     return bound
 
 
-def _llama_rotary(forward) -> bool:
+def llama_rotary(forward) -> bool:
     """Whether forward calls a rotary embedding that is Llama's (rotate_half included)."""
     names = forward.__globals__
     return ("apply_rotary_pos_emb" in forward.__code__.co_names
-            and _same_code(names.get("apply_rotary_pos_emb"), modeling_llama.apply_rotary_pos_emb)
-            and _same_code(names.get("rotate_half"), modeling_llama.rotate_half))
+            and same_code(names.get("apply_rotary_pos_emb"), modeling_llama.apply_rotary_pos_emb)
+            and same_code(names.get("rotate_half"), modeling_llama.rotate_half))
 
 
-def _same_code(fn, reference) -> bool:
+def same_code(fn, reference) -> bool:
     code, ref = getattr(fn, "__code__", None), reference.__code__
     return code is not None and (code.co_code, code.co_consts, code.co_names) == (
         ref.co_code, ref.co_consts, ref.co_names)
@@ -72,7 +72,7 @@ def _norm(kernels, module, original, x: torch.Tensor) -> torch.Tensor:
     return rms_norm(kernels, x, weight, module.variance_epsilon)
 
 
-def _rotary(kernels, original, q, k, cos, sin, unsqueeze_dim=1):
+def rotary_pos_emb(kernels, original, q, k, cos, sin, unsqueeze_dim=1):
     """transformers' apply_rotary_pos_emb for a packed batch ([1, heads, tokens, dim] queries and
     keys, [1, tokens, dim] cos and sin), else the original."""
     if not (_kernel_ready(q, k, cos, sin) and unsqueeze_dim == 1 and q.dim() == 4
@@ -83,7 +83,7 @@ def _rotary(kernels, original, q, k, cos, sin, unsqueeze_dim=1):
     return rotary(kernels, q, cos, sin), rotary(kernels, k, cos, sin)
 
 
-def _unwrapped(fn):
+def unwrapped(fn):
     while hasattr(fn, "__wrapped__"):
         fn = fn.__wrapped__
     return fn

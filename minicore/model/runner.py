@@ -9,7 +9,8 @@ from the request states (SamplingMetadata.from_states; vLLM keeps it in its pers
 What is optional is chosen once, in __init__: how decode attention reads keys (on CPU per-request
 rows, minicore/model/decode_kv.py; else attention.py's gather), the CPU linear layers, both
 for every row and every token with --batch-invariant (docs/ARCHITECTURE.md), and the CPU norms
-and rotary embedding (minicore/model/cpu_layers.py); the
+and rotary embedding (minicore/model/cpu_layers.py), and on CPU a Llama model's layers as plain
+calls (minicore/model/llama_forward.py); the
 logprobs a request asks for come from a component (minicore/model/logprobs.py) that knows which
 requests asked; with speculative decoding, the sampling step verifies each request's drafts
 (minicore/model/rejection_sampler.py), which the state update appends to its token ids as vLLM
@@ -37,6 +38,7 @@ from minicore.model.cpu_layers import use_cpu_layers
 from minicore.model.cpu_linear import use_cpu_linear
 from minicore.model.cpu_memory import keep_freed_memory
 from minicore.model.decode_kv import DecodeKVBuffers
+from minicore.model.llama_forward import llama_forward
 from minicore.model.logprobs import LogprobsOutput
 from minicore.model.native import check_batch_invariant, native_kernels
 from minicore.model.rejection_sampler import SpecDecodeSampler
@@ -77,8 +79,12 @@ class ModelRunner(ModelRunnerBase):
             keep_freed_memory()
             use_cpu_linear(model, native_kernels(), self.batch_invariant)
             use_cpu_layers(model, native_kernels())
-        # The base model gives hidden states; the head runs only on sampling positions.
+        # The base model gives hidden states; the head runs only on sampling positions. On CPU
+        # a Llama model's layers run as plain calls (llama_forward.py), else through transformers.
         self.base_model = model.base_model
+        plain = (llama_forward(self.base_model, native_kernels()) if self.device.type == "cpu"
+                 else None)
+        self.forward_hidden = plain or self._transformers_forward
         self.lm_head = model.get_output_embeddings()
         self.num_blocks = self._determine_num_blocks()
         self.init_kv_cache()
@@ -237,8 +243,12 @@ class ModelRunner(ModelRunnerBase):
     def _forward(self, input_ids: list[int], meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] of one packed batch."""
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
-        out = self.base_model(input_ids=ids, position_ids=meta.positions.unsqueeze(0),
-                              use_cache=False, minicore_meta=meta)
+        return self.forward_hidden(ids, meta.positions.unsqueeze(0), meta)
+
+    def _transformers_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                              meta: AttentionMetadata) -> torch.Tensor:
+        out = self.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                              minicore_meta=meta)
         return out.last_hidden_state[0]
 
     def _forward_dummy(self, num_tokens: int, kv_caches: list[torch.Tensor]) -> None:
