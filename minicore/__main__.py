@@ -9,7 +9,7 @@ import re
 import sys
 from importlib.util import find_spec
 
-from minicore.arg_utils import human_readable_int
+from minicore.arg_utils import FlexibleArgumentParser, human_readable_int
 from minicore.config import create_engine_config
 from minicore.dp.sim_report import add_simulate_args, simulate_main
 from minicore.engine.arg_utils import add_engine_cli_args, engine_kwargs_from_cli
@@ -184,7 +184,7 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m minicore")
+    parser = FlexibleArgumentParser(prog="python -m minicore")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate completions for prompts, offline")
     gen.add_argument("prompts", nargs="+")

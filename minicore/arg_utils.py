@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import re
+import sys
 import types
 from dataclasses import field, fields
 from pathlib import Path
@@ -25,6 +26,82 @@ _SAMPLING_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty",
 
 # Characters that make a --chat-template value an inline template, not a file path (vLLM's rule).
 _JINJA_CHARS = "{}\n"
+
+
+class FlexibleArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser that takes vLLM's spellings of its flags (FlexibleArgumentParser in
+    vllm/utils/argparse_utils.py): underscores for dashes in a flag's name (``--max_model_len``),
+    a JSON flag's fields one by one (``--speculative-config.method ngram``, merged into one JSON
+    object; a value is JSON where it parses, else a string), and the shorthands in SHORTHANDS.
+    --help shows the dashed flags only."""
+
+    # vLLM's shorthands for a JSON flag's fields.
+    SHORTHANDS = {"--spec-method": "--speculative-config.method",
+                  "--spec-tokens": "--speculative-config.num_speculative_tokens"}
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        return super().parse_known_args(vllm_spellings(args), namespace)
+
+
+def vllm_spellings(args: list[str]) -> list[str]:
+    """args with vLLM's spellings rewritten as minicore's flags take them: a JSON flag's fields
+    given one by one join the object given whole, if any."""
+    out: list[str] = []
+    objects: dict[str, dict] = {}
+    it = iter(args)
+    for arg in it:
+        if not arg.startswith("--") or arg == "--":
+            out.append(arg)
+            continue
+        name, eq, value = arg.partition("=")
+        head, dot, path = name.partition(".")
+        head = head.replace("_", "-")
+        name = FlexibleArgumentParser.SHORTHANDS.get(head, head) + dot + path
+        if "." not in name:
+            out.append(name + eq + value)
+            continue
+        flag, *keys = name.split(".")
+        nested = objects.setdefault(flag, {})
+        for key in keys[:-1]:
+            nested = nested.setdefault(key, {})
+        value = value if eq else next(it, "")
+        try:
+            nested[keys[-1]] = json.loads(value)
+        except json.JSONDecodeError:
+            nested[keys[-1]] = value
+    for flag, fields_given in objects.items():
+        out += [flag, json.dumps(_merged(_take_flag(out, flag), fields_given))]
+    return out
+
+
+def _take_flag(args: list[str], flag: str) -> dict:
+    """The JSON object that flag's last occurrence in args gives ({} if none), taking out each
+    occurrence that gives one (one that does not stays, for the flag's own error)."""
+    whole: dict = {}
+    i = 0
+    while i < len(args):
+        name, eq, value = args[i].partition("=")
+        width = 1 if eq else 2
+        value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+        try:
+            given = json.loads(value) if name == flag else None
+        except json.JSONDecodeError:
+            given = None
+        if not isinstance(given, dict):
+            i += 1
+            continue
+        del args[i:i + width]
+        whole = given
+    return whole
+
+
+def _merged(base: dict, fields_given: dict) -> dict:
+    for key, value in fields_given.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            value = _merged(base[key], value)
+        base[key] = value
+    return base
 
 
 def human_readable_int_or_auto(value: str) -> int:

@@ -5,6 +5,7 @@ cannot serve is refused from its config.json; --max-model-len auto resolved from
 vLLM's log format. Parsing only: no engine starts."""
 
 import argparse
+import re
 from collections import Counter
 from dataclasses import fields
 
@@ -388,3 +389,45 @@ def test_uvicorns_loggers_go_through_the_root_handler():
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logger = logging.getLogger(name)
         assert logger.handlers == [] and logger.propagate and logger.level == logging.INFO
+
+
+NGRAM3 = '{"method": "ngram", "num_speculative_tokens": 3}'
+
+
+@pytest.mark.parametrize("vllms, canonical", [
+    (["--max_model_len", "1024", "--max_num_seqs=8"], ["--max-model-len", "1024",
+                                                       "--max-num-seqs", "8"]),
+    (["--structured-outputs-config.backend", "xgrammar"],
+     ["--structured-outputs-config", '{"backend": "xgrammar"}']),
+    (["--speculative_config", NGRAM3], ["--speculative-config", NGRAM3]),
+    (["--speculative-config.method", "ngram", "--speculative-config.num_speculative_tokens=3"],
+     ["--speculative-config", NGRAM3]),
+    (["--spec-method", "ngram", "--spec-tokens", "3"], ["--speculative-config", NGRAM3]),
+    (["--speculative-config", '{"model": "[ngram]", "num_speculative_tokens": 3}'],
+     ["--speculative-config", NGRAM3]),
+    (["--speculative-config", '{"model": "ngram", "num_speculative_tokens": 3}'],
+     ["--speculative-config", NGRAM3]),
+    # Fields one by one join the object given whole.
+    (["--speculative-config", '{"method": "ngram"}', "--spec-tokens", "3",
+      "--speculative-config.prompt_lookup_max", "4"],
+     ["--speculative-config",
+      '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}']),
+], ids=["underscores", "dotted", "underscored-json", "dotted-fields", "spec-shorthand",
+        "ngram-model-bracketed", "ngram-model", "merged"])
+def test_vllms_spellings_give_the_canonical_config(vllms, canonical):
+    assert engine_config(["serve", *vllms]) == engine_config(["serve", *canonical])
+
+
+def test_help_shows_the_dashed_spelling_only(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert "--max-model-len" in out and "--max_model_len" not in out
+    # Named in --speculative-config's help (which argparse may wrap at a hyphen).
+    assert "--spec-method ngram --spec-tokens 3" in re.sub(r"-\s+", "-", " ".join(out.split()))
+
+
+def test_a_bad_json_field_value_is_still_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        engine_config(["serve", "--speculative-config", "{not json", "--spec-tokens", "3"])
+    assert exit_info.value.code == 2 and "--speculative-config" in capsys.readouterr().err

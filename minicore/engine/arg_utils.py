@@ -5,7 +5,8 @@ flag per user-facing field of minicore/config.py's sub-configs, grouped by sub-c
 choices and default from the field and --help from its metadata, so every default is written once,
 in the records. The records outside the sub-configs take one JSON flag each, as vLLM's:
 --kv-transfer-config (prefill/decode disaggregation), --speculative-config (draft tokens) and
---structured-outputs-config (the grammar backend).
+--structured-outputs-config (the grammar backend), each also field by field
+(``--speculative-config.method ngram``: minicore.arg_utils.FlexibleArgumentParser, vLLM's).
 Left out: vLLM's EngineArgs dataclass (the flat keyword arguments go
 straight to create_engine_config), config files (--config), deprecation notices.
 """
@@ -37,7 +38,8 @@ SPECULATIVE_HELP = (
     '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, '
     '"prompt_lookup_min": 2}\' (ngram: the tokens that followed the longest earlier match of a '
     "request's last prompt_lookup_min..max tokens, default 5..5; disable_by_batch_size: no drafts "
-    "while that many requests run). Methods: ")
+    "while that many requests run; also field by field, --speculative-config.method ngram, or "
+    "--spec-method ngram --spec-tokens 3). Methods: ")
 
 
 def add_engine_cli_args(parser: argparse.ArgumentParser,

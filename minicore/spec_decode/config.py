@@ -2,13 +2,16 @@
 
 Mirrors vllm/config/speculative.py (SpeculativeConfig) for the methods of this package
 (drafter.py finds them by name; each fills in and checks its own fields, as vLLM's ngram
-defaults), with vLLM's checks. A draft model is refused by name. Pure Python: minicore.config
+defaults), with vLLM's checks; model "ngram" or "[ngram]" names the ngram method, as in vLLM. A
+draft model is refused by name. Pure Python: minicore.config
 imports it.
 """
 
 from dataclasses import dataclass
 
 from minicore.spec_decode.drafter import drafters
+
+NGRAM_NAMES = ("ngram", "[ngram]")
 
 
 @dataclass(slots=True)
@@ -26,6 +29,11 @@ class SpeculativeConfig:
 
     def __post_init__(self):
         methods = drafters()
+        # vLLM's spellings of ngram: as the model (its NGRAM_SPEC_CONFIG), or bracketed.
+        if self.method is None and self.model in NGRAM_NAMES:
+            self.method, self.model = "ngram", None
+        if self.method in NGRAM_NAMES:
+            self.method = "ngram"
         if self.model is not None:
             raise ValueError(f"speculative_config: a draft model ({self.model!r}) is not "
                              f"supported by minicore: methods {', '.join(map(repr, methods))}")
