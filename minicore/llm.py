@@ -199,7 +199,7 @@ class LLM:
     def _run(self, parents: list[_Parent], use_tqdm) -> list[RequestOutput]:
         engine, processor = self.llm_engine, self.output_processor
         if engine.is_scheduler_paused():
-            state = "asleep: call wake_up()" if engine.is_sleeping() else (
+            state = "asleep: call wake_up()" if engine.sleeping_tags else (
                 "paused: call resume_generation()")
             raise RuntimeError(f"the engine is {state} first, or nothing would be generated")
         requests = [child for parent in parents for child in parent.children]
@@ -239,11 +239,12 @@ class LLM:
 
     def sleep(self, level: int = 1, mode: PauseMode = "abort") -> None:
         """Release memory until wake_up: the KV cache (level 1), and the weights (level 2, reloaded
-        from the model directory on wake-up)."""
+        from the model directory on wake-up); level 0 only pauses (the "scheduling" tag)."""
         self.llm_engine.sleep(level, mode)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Bring back "weights" and/or "kv_cache" (None: both); generation resumes once both are."""
+        """Bring back "weights", "kv_cache" and/or "scheduling" (None: all); generation resumes
+        once all are."""
         self.llm_engine.wake_up(tags)
 
     def is_sleeping(self) -> bool:

@@ -178,8 +178,7 @@ class AsyncLLM:
         await self._holding(self.call_utility_all("pause_scheduler", mode, clear_cache))
 
     async def resume_generation(self) -> None:
-        if await self.is_sleeping():
-            raise ValueError("the engines are asleep: wake_up resumes generation")
+        """ValueError while an engine's memory is released: wake_up resumes generation then."""
         await self.call_utility_all("resume_scheduler")
         self._release()
 
@@ -188,7 +187,7 @@ class AsyncLLM:
 
     async def sleep(self, level: int = 1, mode: PauseMode = "abort") -> None:
         """Pause (mode) and release memory on every engine: the KV cache, and at level 2 the
-        weights (reloaded from the model directory on wake-up)."""
+        weights (reloaded from the model directory on wake-up); level 0 only pauses."""
         check_sleep_level(level)
         check_pause_mode(mode)
         try:
@@ -197,8 +196,8 @@ class AsyncLLM:
             await self._report_sleep_state()
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        """Bring back "weights" and/or "kv_cache" (None: both) on every engine; generation
-        resumes once every engine is whole."""
+        """Bring back "weights", "kv_cache" and/or "scheduling" (None: all) on every engine;
+        generation resumes once every engine is whole."""
         wake_tags(tags)
         await self.call_utility_all("wake_up", tags)
         if not await self.is_sleeping():

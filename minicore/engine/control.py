@@ -32,8 +32,10 @@ logger = logging.getLogger(__name__)
 
 PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES = ("abort", "wait", "keep")
-# What sleep releases and wake_up(tags) brings back (vLLM's CuMemAllocator tags).
+# What sleep releases and wake_up(tags) brings back (vLLM's CuMemAllocator tags), and the tag of
+# a level-0 sleep, which only pauses scheduling (vLLM 0.32).
 SLEEP_TAGS = ("weights", "kv_cache")
+WAKE_TAGS = (*SLEEP_TAGS, "scheduling")
 INSECURE_SERIALIZATION_ENV = "MINICORE_ALLOW_INSECURE_SERIALIZATION"
 # The msgpack extension code of a pickled callable (collective_rpc's method) on the wire.
 PICKLED_CALLABLE_EXT = 1
@@ -45,15 +47,15 @@ def check_pause_mode(mode) -> None:
 
 
 def check_sleep_level(level) -> None:
-    if level not in (1, 2):
-        raise ValueError(f"sleep level must be 1 or 2, not {level!r}")
+    if level not in (0, 1, 2):
+        raise ValueError(f"sleep level must be 0, 1 or 2, not {level!r}")
 
 
 def wake_tags(tags: list[str] | None) -> list[str]:
     """wake_up's tags (None: all), ValueError for one that is not a tag."""
-    tags = list(SLEEP_TAGS) if tags is None else tags
-    if unknown := sorted(set(tags) - set(SLEEP_TAGS)):
-        raise ValueError(f"unknown wake_up tag(s) {unknown}; the tags are {list(SLEEP_TAGS)}")
+    tags = list(WAKE_TAGS) if tags is None else tags
+    if unknown := sorted(set(tags) - set(WAKE_TAGS)):
+        raise ValueError(f"unknown wake_up tag(s) {unknown}; the tags are {list(WAKE_TAGS)}")
     return tags
 
 
@@ -93,9 +95,11 @@ class EngineControl:
             logger.warning("pause: the prefix cache was not reset (a KV connector holds blocks)")
 
     def resume_scheduler(self) -> None:
-        if self.sleeping_tags:  # a step now would run a model without its memory
-            raise ValueError(f"the engine is asleep ({', '.join(sorted(self.sleeping_tags))} "
-                             "released): wake_up resumes it")
+        """Schedule again; a level-0 sleep ends with it."""
+        if released := self.sleeping_tags & set(SLEEP_TAGS):  # a step would lack its memory
+            raise ValueError(f"the engine is asleep ({', '.join(sorted(released))} released): "
+                             "wake_up resumes it")
+        self.sleeping_tags = frozenset()
         _open(self.scheduler)
 
     def is_scheduler_paused(self) -> bool:
@@ -105,10 +109,10 @@ class EngineControl:
 
     def sleep(self, level: int = 1, mode: PauseMode = "abort"):
         """Pause (mode), then release memory: the KV cache at level 1 and 2, the weights at
-        level 2 (on CUDA level 1 moves them to pinned CPU memory). The scheduler stays paused
-        until every tag is awake again."""
+        level 2 (on CUDA level 1 moves them to pinned CPU memory); level 0 only pauses (vLLM
+        0.32: the "scheduling" tag). The scheduler stays paused until every tag is awake again."""
         check_sleep_level(level)
-        if self.config.kv_transfer_config is not None:
+        if level and self.config.kv_transfer_config is not None:
             raise ValueError("sleep mode with a KV connector is not supported: the connector "
                              "registered the KV cache's memory with its peers")
         if self.sleeping_tags and level == self.sleep_level:
@@ -116,9 +120,10 @@ class EngineControl:
         if self.sleeping_tags:
             raise ValueError(f"the engine is already asleep (level {self.sleep_level}): wake it "
                              "up first")
-        self.model_runner.check_can_sleep(level)
+        if level:
+            self.model_runner.check_can_sleep(level)
         call = self._pending_sleep = object()
-        pause = self.pause_scheduler(mode, clear_cache=True)
+        pause = self.pause_scheduler(mode, clear_cache=level > 0)
         return self._then(pause, partial(self._release, level, call))
 
     def _release(self, level: int, call: object):
@@ -126,18 +131,23 @@ class EngineControl:
             self.resume_scheduler()
             return None
         self._pending_sleep = None
+        if not level:
+            self.sleeping_tags = frozenset({"scheduling"})
+            return None
         # Asleep from now (resume is refused), while the runner frees its memory on its thread.
         self.sleep_level, self.sleeping_tags = level, frozenset(SLEEP_TAGS)
         release = partial(self.model_runner.sleep, level)
         return self._then(self._on_forward_thread(release, None), lambda: None)
 
     def wake_up(self, tags: list[str] | None = None):
-        """Bring back the memory of tags ("weights", "kv_cache"; None: both); once all is back,
-        scheduling resumes (vLLM's rule). A sleep still pausing is called off."""
+        """Bring back what tags name ("weights", "kv_cache", "scheduling": a level-0 sleep; None:
+        all); once all is back, scheduling resumes (vLLM's rule), a pause's too. A sleep still
+        pausing is called off."""
         waking = sorted(self.sleeping_tags & set(wake_tags(tags)))
         self._pending_sleep = None
         # On the runner's thread: reloading a model's weights may take a while.
-        restore = partial(self.model_runner.wake_up, waking, self.sleep_level)
+        restore = partial(self.model_runner.wake_up, [t for t in waking if t in SLEEP_TAGS],
+                          self.sleep_level)
         return self._then(self._on_forward_thread(restore, None), partial(self._woken, waking))
 
     def _woken(self, tags: list[str]) -> None:
@@ -147,7 +157,8 @@ class EngineControl:
             self.resume_scheduler()
 
     def is_sleeping(self) -> bool:
-        return bool(self.sleeping_tags)
+        """Asleep at any level, or paused (vLLM 0.32 counts a paused scheduler)."""
+        return bool(self.sleeping_tags) or self.is_scheduler_paused()
 
     def get_sleep_level(self) -> int:
         """0 awake, else the level it sleeps at (the engine_sleep_state gauge)."""

@@ -240,13 +240,15 @@ def _add_admin_routes(app: FastAPI, client: AsyncLLM) -> None:
         return json_response({"server_load": raw_request.app.state.server_load_metrics})
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache():
-        # Every engine's cache; vLLM's answer: success is False while some block is in use.
-        num_engines = client.config.parallel_config.data_parallel_size
-        results = [await client.call_utility("reset_prefix_cache", engine_index=i)
-                   for i in range(num_engines)]
-        logger.info("reset the prefix cache of %d engine(s): %s", num_engines, results)
-        return json_response({"success": all(results)})
+    async def reset_prefix_cache(reset_running_requests: bool = False,
+                                 reset_external: bool = False):
+        # Every engine's cache; vLLM's answer: success is False while some block is in use, and
+        # reset_running_requests preempts the running requests first (recomputed later).
+        # reset_external (a connector's own cache): minicore's connectors keep none.
+        success = await client.reset_prefix_cache(reset_running_requests)
+        logger.info("reset the prefix cache (running requests too: %s): %s",
+                    reset_running_requests, success)
+        return json_response({"success": success})
 
 
 def rank_header(raw_request: Request) -> str | None:

@@ -5,8 +5,10 @@ Mirrors vllm/entrypoints/serve/dev/ and vllm/entrypoints/serve/rlhf/api_router.p
 calls AsyncLLM's control plane (minicore/engine/async_llm.py), which calls every engine's utility
 method (minicore/engine/control.py). Whoever reaches the port can stop generation, free the
 engines' memory and make every engine load any local safetensors file its user may read: mount
-these only where the port is the operator's; with --api-key, every route here needs the key. Bad
-arguments are a 400 with an OpenAI error body, a failure in an engine a 500. Left out:
+these only where the port is the operator's; with --api-key, every route here needs the key. The
+answers are vLLM 0.32's: /sleep {"status": "sleeping", "level": N} (level 0 only pauses), /wake_up
+{"status": "awake", "tags": [...]} ("scheduling" among the tags), /is_sleeping true while paused.
+Bad arguments are a 400 with an OpenAI error body, a failure in an engine a 500. Left out:
 /init_weight_transfer_engine (NCCL and IPC transfers), /get_world_size, /weight_checker.
 """
 
@@ -15,10 +17,9 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, FastAPI, Query
-from fastapi.responses import Response
 
 from minicore.engine.async_llm import AsyncLLM
-from minicore.engine.control import PauseMode
+from minicore.engine.control import WAKE_TAGS, PauseMode
 from minicore.entrypoints.openai_errors import OpenAIError
 from minicore.entrypoints.utils import json_response
 
@@ -53,12 +54,12 @@ def _add_sleep_and_pause_routes(app: APIRouter, client: AsyncLLM) -> None:
     @app.post("/sleep")
     async def sleep(level: int = 1, mode: PauseMode = "abort"):
         await _control(client.sleep(level, mode))
-        return Response(status_code=200)
+        return json_response({"status": "sleeping", "level": level})
 
     @app.post("/wake_up")
     async def wake_up(tags: Annotated[list[str] | None, Query()] = None):
         await _control(client.wake_up(tags or None))
-        return Response(status_code=200)
+        return json_response({"status": "awake", "tags": tags or list(WAKE_TAGS)})
 
     @app.get("/is_sleeping")
     async def is_sleeping():

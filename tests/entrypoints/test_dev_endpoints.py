@@ -60,23 +60,42 @@ def test_the_dev_endpoints_drive_the_engine(monkeypatch, tmp_path):
         assert httpx.get(server.url + "/health").status_code == 200  # open, as vLLM's
 
         assert gauge(http) == {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
-        assert http.post("/sleep", params={"level": 1}).status_code == 200
+        # vLLM 0.32's answers, which an RL client's .json() reads.
+        assert http.post("/sleep", params={"level": 1}).json() == {"status": "sleeping",
+                                                                   "level": 1}
         assert http.get("/is_sleeping").json() == {"is_sleeping": True}
         assert gauge(http) == {"awake": 0, "weights_offloaded": 1, "discard_all": 0}
         # Asleep already at that level: idempotent, as vLLM's; another level is a 400.
         assert http.post("/sleep", params={"level": 1}).status_code == 200
         assert http.post("/sleep", params={"level": 2}).status_code == 400
         assert http.post("/resume").status_code == 400  # asleep: wake_up resumes
-        assert http.post("/wake_up", params={"tags": "weights"}).status_code == 200
+        assert http.post("/wake_up", params={"tags": "weights"}).json() == {
+            "status": "awake", "tags": ["weights"]}
         assert http.get("/is_sleeping").json() == {"is_sleeping": True}
         assert http.post("/wake_up", params={"tags": "kv_cache"}).status_code == 200
         assert http.get("/is_sleeping").json() == {"is_sleeping": False}
         assert gauge(http)["awake"] == 1
+        # Level 0 only pauses scheduling; the "scheduling" tag resumes it.
+        assert http.post("/sleep", params={"level": 0}).json() == {"status": "sleeping",
+                                                                   "level": 0}
+        assert http.get("/is_sleeping").json() == {"is_sleeping": True}
+        assert gauge(http)["awake"] == 1  # no memory released
+        assert http.post("/wake_up", params={"tags": "weights"}).status_code == 200
+        assert http.get("/is_sleeping").json() == {"is_sleeping": True}
+        assert http.post("/wake_up", params={"tags": "scheduling"}).json() == {
+            "status": "awake", "tags": ["scheduling"]}
+        assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+        assert complete(http).status_code == 200
 
         assert http.post("/pause", params={"mode": "keep"}).json() == {"status": "paused"}
         assert http.get("/is_paused").json() == {"is_paused": True}
+        assert http.get("/is_sleeping").json() == {"is_sleeping": True}  # vLLM 0.32 counts it
         assert http.post("/resume").json() == {"status": "resumed"}
         assert http.get("/is_paused").json() == {"is_paused": False}
+        assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+        assert http.post("/reset_prefix_cache", params={
+            "reset_running_requests": "true", "reset_external": "true"}).json() == {
+            "success": True}
 
         rpc = http.post("/collective_rpc", json={"method": "check_can_sleep", "args": [1]})
         assert rpc.json() == {"results": [None]}
@@ -96,8 +115,9 @@ def test_the_dev_endpoints_drive_the_engine(monkeypatch, tmp_path):
             response = getattr(http, method)(path, **kwargs)
             assert response.status_code == 400, (path, kwargs, response.text)
             assert response.json()["error"]["code"] == 400
-        rpc = http.post("/collective_rpc", json={"method": "_update_states"})
-        assert rpc.status_code == 400 and "no public method" in rpc.json()["error"]["message"]
+        for method in ("_update_states", "no_such_method"):
+            rpc = http.post("/collective_rpc", json={"method": method})
+            assert rpc.status_code == 400 and "no public method" in rpc.json()["error"]["message"]
         # The runner methods whose effects the engine keeps track of are refused by name, so
         # that no RPC frees the KV cache or weights under a running batch.
         for method, args in (("sleep", [1]), ("wake_up", [["weights"], 1]),
