@@ -219,12 +219,21 @@ class AsyncLLM:
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         return all(await self.call_utility_all("reset_prefix_cache", reset_running_requests))
 
+    async def init_weight_transfer_engine(self, init_info: dict) -> None:
+        """Every engine joins the trainer's weight transfer group (minicore/dp/weight_transfer.py:
+        engine i as rank init_info["rank_offset"] + i); returns once all have."""
+        await self.call_utility_all("init_weight_transfer_engine", init_info)
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        await self.call_utility_all("shutdown_weight_transfer_engine")
+
     async def start_weight_update(self) -> None:
         await self.call_utility_all("start_weight_update")
 
     async def update_weights(self, update_info: dict) -> None:
-        """Every engine loads update_info["path"] (a local safetensors file or directory) in
-        place, between start_weight_update and finish_weight_update."""
+        """Every engine loads new weights in place, between start_weight_update and
+        finish_weight_update: update_info["path"] (a local safetensors file or directory), or
+        the tensors update_info names as the trainer broadcasts them."""
         await self.call_utility_all("update_weights", update_info)
 
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
@@ -232,6 +241,18 @@ class AsyncLLM:
 
     async def get_weight_version(self) -> str:
         return await self.call_utility("get_weight_version")
+
+    async def update_weight_version(self, weight_version: str) -> None:
+        await self.call_utility_all("update_weight_version", weight_version)
+
+    async def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """abort for several requests at once, each named by its id or by its response's (a
+        completion's "cmpl-..." names all its choices); returns the ids aborted."""
+        names = set(request_ids)
+        running = [rid for rid in self.output_processor.request_states
+                   if rid in names or rid.rpartition("-")[0] in names]
+        self._abort(running)
+        return running
 
     async def _holding(self, calls) -> None:
         """Hold new requests while calls pause the engines; open again if they fail."""

@@ -8,8 +8,9 @@ engines' memory and make every engine load any local safetensors file its user m
 these only where the port is the operator's; with --api-key, every route here needs the key. The
 answers are vLLM 0.32's: /sleep {"status": "sleeping", "level": N} (level 0 only pauses), /wake_up
 {"status": "awake", "tags": [...]} ("scheduling" among the tags), /is_sleeping true while paused.
-Bad arguments are a 400 with an OpenAI error body, a failure in an engine a 500. Left out:
-/init_weight_transfer_engine (NCCL and IPC transfers), /get_world_size, /weight_checker.
+Bad arguments are a 400 with an OpenAI error body, a failure in an engine a 500. The weight
+transfer engine is a gloo group with the trainer (minicore/dp/weight_transfer.py). Left out: NCCL
+and IPC transfers, /weight_checker, /start_draft_weight_update, /release_kv_cache_memory.
 """
 
 import os
@@ -98,11 +99,36 @@ def _add_worker_routes(app: APIRouter, client: AsyncLLM) -> None:
     @app.post("/update_weights")
     async def update_weights(update_info: Annotated[dict, Body(embed=True)]):
         path = update_info.get("path")
-        if not isinstance(path, str) or not Path(path).exists():
+        if "names" not in update_info and (not isinstance(path, str) or not Path(path).exists()):
             raise OpenAIError('update_info must be {"path": "<a local safetensors file or '
-                              f'directory>"}}; no such path: {path!r}', 400)
+                              'directory>"} or {"names", "dtype_names", "shapes"} of a trainer\'s '
+                              f'broadcast; no such path: {path!r}', 400)
         await _control(client.update_weights(update_info))
         return json_response({"message": "Weights updated"})
+
+    @app.post("/init_weight_transfer_engine")
+    async def init_weight_transfer_engine(init_info: Annotated[dict, Body(embed=True)]):
+        await _control(client.init_weight_transfer_engine(init_info))
+        return json_response({"message": "Weight transfer engine initialized"})
+
+    @app.post("/shutdown_weight_transfer_engine")
+    async def shutdown_weight_transfer_engine():
+        await _control(client.shutdown_weight_transfer_engine())
+        return json_response({"message": "Weight transfer engine shut down"})
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(weight_version: Annotated[str, Body(embed=True)]):
+        await _control(client.update_weight_version(weight_version))
+        return json_response({"weight_version": weight_version})
+
+    @app.get("/get_world_size")
+    async def get_world_size():
+        # One worker a DP engine (no tensor or pipeline parallelism).
+        return json_response({"world_size": client.config.parallel_config.data_parallel_size})
+
+    @app.post("/abort_requests")
+    async def abort_requests(request_ids: Annotated[list[str], Body(embed=True)]):
+        return json_response({"aborted": await client.abort_requests(request_ids)})
 
     @app.post("/finish_weight_update")
     async def finish_weight_update(weight_version: Annotated[str | None, Body(embed=True)] = None):

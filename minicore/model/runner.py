@@ -121,6 +121,9 @@ class ModelRunner(ModelRunnerBase):
     def load_weights(self, path: str) -> int:
         return sleep_mode.load_weights(self, path)
 
+    def load_tensors(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        return sleep_mode.load_tensors(self, named)
+
     # ---- KV cache sizing -----------------------------------------------------------------------
 
     def _kv_layout(self) -> tuple[int, int, int]:

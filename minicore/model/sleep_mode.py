@@ -88,23 +88,39 @@ def load_weights(runner, path: str) -> int:
     files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else [Path(path)]
     if not files or not all(f.is_file() for f in files):
         raise ValueError(f"load_weights: no safetensors file at {path!r}")
-    params = dict(runner.model.named_parameters(remove_duplicate=False))
     handles = [safe_open(f, framework="pt") for f in files]
-    for handle in handles:
-        for name in handle.keys():
-            shape = tuple(handle.get_slice(name).get_shape())
-            if name not in params or tuple(params[name].shape) != shape:
-                expected = tuple(params[name].shape) if name in params else "no such parameter"
-                raise ValueError(f"load_weights: {name} {shape} does not fit the model "
-                                 f"({expected})")
+    shapes = {name: tuple(h.get_slice(name).get_shape()) for h in handles for name in h.keys()}
+    _check_fit(runner, shapes.items())
+    count = _copy_in(runner, ((name, h.get_tensor(name)) for h in handles for name in h.keys()))
+    logger.info("loaded %d tensors in place from %s", count, path)
+    return count
+
+
+def load_tensors(runner, named: list[tuple[str, torch.Tensor]]) -> int:
+    """load_weights for tensors at hand (a trainer's broadcast: minicore/dp/weight_transfer.py),
+    checked the same way first."""
+    _check_fit(runner, ((name, tuple(t.shape)) for name, t in named))
+    count = _copy_in(runner, named)
+    logger.info("loaded %d tensors in place from the trainer", count)
+    return count
+
+
+def _check_fit(runner, shapes) -> None:
+    params = dict(runner.model.named_parameters(remove_duplicate=False))
+    for name, shape in shapes:
+        if name not in params or tuple(params[name].shape) != shape:
+            expected = tuple(params[name].shape) if name in params else "no such parameter"
+            raise ValueError(f"load_weights: {name} {shape} does not fit the model ({expected})")
+
+
+def _copy_in(runner, named) -> int:
+    params = dict(runner.model.named_parameters(remove_duplicate=False))
     count = 0
     with torch.no_grad():
-        for handle in handles:
-            for name in handle.keys():
-                params[name].copy_(handle.get_tensor(name))
-                count += 1
+        for name, tensor in named:
+            params[name].copy_(tensor)
+            count += 1
     runner.bind_weights()
-    logger.info("loaded %d tensors in place from %s", count, path)
     return count
 
 
