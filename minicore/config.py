@@ -146,8 +146,16 @@ class ParallelConfig:
                "parallelism): each rank holds 1/N of them, and every forward, dummy ones "
                "included, exchanges tokens with the other ranks; needs --data-parallel-size >= 2 "
                "and a Qwen3-MoE, Qwen2-MoE, Mixtral or OLMoE model")
+    # vLLM's flag, the hook RL frameworks (verl, OpenRLHF) sync weights through.
+    worker_extension_cls: str = flag(
+        "", "a class, 'package.module.Class', whose methods join the model runner's, each "
+            "callable by name through collective_rpc, as vLLM's worker extension (the runner is "
+            "the worker here, and its model_runner too)")
 
     def __post_init__(self):
+        if self.worker_extension_cls and "." not in self.worker_extension_cls:
+            raise ValueError("worker_extension_cls must name a class with its module, "
+                             f"'package.module.Class', got {self.worker_extension_cls!r}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) != 1:
                 flag = "--" + name.replace("_", "-")

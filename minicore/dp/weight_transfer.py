@@ -71,6 +71,12 @@ def trainer_init(init_info: dict, timeout: timedelta = DEFAULT_TIMEOUT) -> Weigh
     return WeightTransferGroup(init_info, 0, timeout)
 
 
+def join_as_engine(init_info: dict, dp_rank: int) -> WeightTransferGroup:
+    """DP engine dp_rank's end: rank init_info["rank_offset"] (default 1) + dp_rank."""
+    offset = init_info.get("rank_offset", 1) if isinstance(init_info, dict) else 1
+    return WeightTransferGroup(init_info, offset + dp_rank)
+
+
 def _parse_init_info(init_info) -> tuple[str, int, int]:
     if not isinstance(init_info, dict):
         raise ValueError("init_info must be an object: {master_address, master_port, "

@@ -220,12 +220,13 @@ class AsyncLLM:
         return all(await self.call_utility_all("reset_prefix_cache", reset_running_requests))
 
     async def init_weight_transfer_engine(self, init_info: dict) -> None:
-        """Every engine joins the trainer's weight transfer group (minicore/dp/weight_transfer.py:
-        engine i as rank init_info["rank_offset"] + i); returns once all have."""
-        await self.call_utility_all("init_weight_transfer_engine", init_info)
+        """Every engine's runner joins the trainer's weight transfer group, through
+        collective_rpc as vLLM's workers do (minicore/dp/weight_transfer.py: engine i as rank
+        init_info["rank_offset"] + i); returns once all have."""
+        await self.collective_rpc("init_weight_transfer_engine", args=(init_info,))
 
     async def shutdown_weight_transfer_engine(self) -> None:
-        await self.call_utility_all("shutdown_weight_transfer_engine")
+        await self.collective_rpc("shutdown_weight_transfer_engine")
 
     async def start_weight_update(self) -> None:
         await self.call_utility_all("start_weight_update")

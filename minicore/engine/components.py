@@ -12,6 +12,7 @@ config against its peers' and shards an MoE model's experts over the ranks befor
 exists.
 """
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -130,7 +131,8 @@ def load_model(config: EngineConfig):
 def _make_model_runner(config: EngineConfig, info: RunnerInfo, model, tokenizer, prepare_model):
     """The runner, async scheduling's default resolved first (its sampling step depends on it):
     from the model's device; a runner without weights (the simulated one) counts as a CPU one."""
-    runner_cls = info.load_class()
+    runner_cls = with_worker_extension(info.load_class(),
+                                       config.parallel_config.worker_extension_cls)
     if not info.needs_weights:
         config.resolve_async_scheduling("cpu")
         return runner_cls(config)
@@ -141,6 +143,28 @@ def _make_model_runner(config: EngineConfig, info: RunnerInfo, model, tokenizer,
         model = prepare_model(model)
     config.resolve_async_scheduling(next(model.parameters()).device.type)
     return runner_cls(config, model, tokenizer)
+
+
+def with_worker_extension(runner_cls: type, qualified_name: str) -> type:
+    """runner_cls with the methods of the class qualified_name names mixed in (vLLM's
+    worker_extension_cls, which extends its Worker class the same way), or runner_cls itself
+    without one. ValueError for a class that cannot be imported, or that would replace a
+    runner's attribute."""
+    if not qualified_name:
+        return runner_cls
+    module_name, _, class_name = qualified_name.rpartition(".")
+    try:
+        extension = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"worker_extension_cls {qualified_name!r} could not be imported: "
+                         f"{e}") from None
+    if clashes := sorted(name for name in vars(extension)
+                         if not name.startswith("__") and hasattr(runner_cls, name)):
+        raise ValueError(f"worker_extension_cls {qualified_name!r} would replace the runner's "
+                         f"{', '.join(clashes)}")
+    # vLLM's extensions reach the runner as self.model_runner: here the worker is the runner.
+    return type(f"{runner_cls.__name__}With{class_name}", (runner_cls, extension),
+                {"model_runner": property(lambda self: self)})
 
 
 def _prepare_dp_rank(config: EngineConfig, dp_group):

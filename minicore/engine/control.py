@@ -12,8 +12,8 @@ The guarded surface: a UTILITY message may name only the public methods of Engin
 (UTILITY_METHODS), and collective_rpc only the runner's public methods that leave the engine's
 own state alone (not ENGINE_OWNED: sleep, KV cache, weights, forwards), or a pickled callable
 where MINICORE_ALLOW_INSECURE_SERIALIZATION=1 (vLLM's VLLM_ALLOW_INSECURE_SERIALIZATION).
-Left out: LoRA, profiling, elastic scaling, NCCL/IPC weight transfer (the update reads a local
-safetensors file).
+Left out: LoRA, profiling, elastic scaling, NCCL/IPC weight transfer (the runner's group is
+gloo's: minicore/dp/weight_transfer.py).
 """
 
 import asyncio
@@ -69,8 +69,6 @@ class EngineControl:
     _pending_sleep: object = None
     weight_version = "default"
     weight_update_open = False
-    # The trainer's weight transfer group (minicore/dp/weight_transfer.py), once joined.
-    weight_transfer = None
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         return self.scheduler.reset_prefix_cache(reset_running_requests)
@@ -179,41 +177,13 @@ class EngineControl:
     def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
         self.weight_update_open = True
 
-    def init_weight_transfer_engine(self, init_info: dict):
-        """Join the trainer's weight transfer group (minicore/dp/weight_transfer.py) as rank
-        init_info["rank_offset"] (default 1) + this engine's DP rank; on the forward thread,
-        as it waits for every rank to join."""
-        from minicore.dp.weight_transfer import WeightTransferGroup
-
-        offset = init_info.get("rank_offset", 1) if isinstance(init_info, dict) else 1
-        rank = offset + self.config.parallel_config.data_parallel_rank
-
-        def join() -> None:
-            self.weight_transfer = WeightTransferGroup(init_info, rank)
-        return self._on_forward_thread(join, None)
-
-    def shutdown_weight_transfer_engine(self) -> None:
-        self.weight_transfer = None
-
     def update_weights(self, update_info: dict):
-        """Load weights in place, between start_weight_update and finish_weight_update: from a
-        local safetensors file or directory (update_info = {"path": ...}), or as the trainer
-        broadcasts them ({"names", "dtype_names", "shapes"}: init_weight_transfer_engine
-        first)."""
+        """The runner loads weights in place (from a file, or as the trainer broadcasts them),
+        between start_weight_update and finish_weight_update."""
         if not self.weight_update_open:
             raise ValueError("no weight update in progress: call start_weight_update first")
-        if isinstance(update_info, dict) and "names" in update_info:
-            if self.weight_transfer is None:
-                raise ValueError("no weight transfer engine: call init_weight_transfer_engine "
-                                 "first")
-            group, runner = self.weight_transfer, self.model_runner
-            return self._on_forward_thread(
-                lambda: runner.load_tensors(group.receive(update_info)), None)
-        if not isinstance(update_info, dict) or not isinstance(update_info.get("path"), str):
-            raise ValueError('update_info must be {"path": "<safetensors file or directory>"} or '
-                             '{"names": [...], "dtype_names": [...], "shapes": [...]}')
         return self._on_forward_thread(
-            partial(self.model_runner.load_weights, update_info["path"]), None)
+            partial(self.model_runner.update_weights, update_info), None)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.weight_update_open = False
@@ -385,8 +355,8 @@ ENGINE_OWNED = {
     "wake_up": "call the engine's wake_up (POST /wake_up)",
     "load_weights": "update weights between start_weight_update and finish_weight_update "
                     "(POST /update_weights)",
-    "load_tensors": "update weights between start_weight_update and finish_weight_update "
-                    "(POST /update_weights)",
+    "update_weights": "update weights between start_weight_update and finish_weight_update "
+                      "(POST /update_weights)",
     "init_kv_cache": "the engine allocates its KV cache once, at start-up",
     "bind_weights": "the engine binds its weights itself, at start-up and wake-up",
     "execute_model": "the engine's busy loop runs every forward",

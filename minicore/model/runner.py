@@ -25,6 +25,7 @@ from functools import partial
 import torch
 
 from minicore.config import EngineConfig
+from minicore.dp.weight_transfer import join_as_engine
 from minicore.model import sleep_mode
 from minicore.model.async_spec_decode import AsyncSpecDecodeSampler
 from minicore.model.attention import (
@@ -87,6 +88,8 @@ class ModelRunner(ModelRunnerBase):
         self.forward_hidden = plain or self._transformers_forward
         self.lm_head = model.get_output_embeddings()
         self.num_blocks = self._determine_num_blocks()
+        # The trainer's weight transfer group (minicore/dp/weight_transfer.py), once joined.
+        self.weight_transfer = None
         self.init_kv_cache()
         self.logprobs = LogprobsOutput(self.vocab_size, self._logits)
         self.sample_step, self.take_sampling_inputs = self._make_sample_step(config)
@@ -121,8 +124,16 @@ class ModelRunner(ModelRunnerBase):
     def load_weights(self, path: str) -> int:
         return sleep_mode.load_weights(self, path)
 
-    def load_tensors(self, named: list[tuple[str, torch.Tensor]]) -> int:
-        return sleep_mode.load_tensors(self, named)
+    def update_weights(self, update_info: dict) -> int:
+        return sleep_mode.update_weights(self, update_info)
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        """Join the trainer's group as rank rank_offset + this engine's DP rank."""
+        self.weight_transfer = join_as_engine(init_info,
+                                              self.config.parallel_config.data_parallel_rank)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.weight_transfer = None
 
     # ---- KV cache sizing -----------------------------------------------------------------------
 

@@ -80,6 +80,10 @@ class ModelRunnerBase:
     def check_can_sleep(self, level: int) -> None:
         """ValueError where this runner could not wake from sleep at level."""
 
+    def update_weights(self, update_info: dict) -> int:
+        """Load new weights in place (ModelRunner's); a runner without weights has none."""
+        raise ValueError(f"{type(self).__name__} has no weights to update")
+
     def sleep(self, level: int) -> None:
         """Release memory (EngineControl.sleep); a runner without weights holds none to release."""
 

@@ -1,5 +1,5 @@
 """Sleep mode and in-place weight loading for the model runner: its memory released and brought
-back, its weights replaced from a safetensors file.
+back, its weights replaced from a safetensors file or from a trainer's broadcast.
 
 Mirrors Worker.sleep / wake_up in vllm/v1/worker/gpu_worker.py (vLLM tags its allocations with
 CuMemAllocator and offloads or discards them by tag) and the in-place reload RL frameworks drive
@@ -96,13 +96,23 @@ def load_weights(runner, path: str) -> int:
     return count
 
 
-def load_tensors(runner, named: list[tuple[str, torch.Tensor]]) -> int:
-    """load_weights for tensors at hand (a trainer's broadcast: minicore/dp/weight_transfer.py),
-    checked the same way first."""
-    _check_fit(runner, ((name, tuple(t.shape)) for name, t in named))
-    count = _copy_in(runner, named)
-    logger.info("loaded %d tensors in place from the trainer", count)
-    return count
+def update_weights(runner, update_info: dict) -> int:
+    """POST /update_weights on the runner: update_info {"path": ...} is load_weights', {"names",
+    "dtype_names", "shapes"} announces the tensors the trainer broadcasts over the runner's
+    weight transfer group (minicore/dp/weight_transfer.py), all received before any is checked,
+    so that the group stays in step whatever happens here."""
+    if isinstance(update_info, dict) and "names" in update_info:
+        if runner.weight_transfer is None:
+            raise ValueError("no weight transfer group: call init_weight_transfer_engine first")
+        named = runner.weight_transfer.receive(update_info)
+        _check_fit(runner, ((name, tuple(t.shape)) for name, t in named))
+        count = _copy_in(runner, named)
+        logger.info("loaded %d tensors in place from the trainer", count)
+        return count
+    if not isinstance(update_info, dict) or not isinstance(update_info.get("path"), str):
+        raise ValueError('update_info must be {"path": "<safetensors file or directory>"} or '
+                         '{"names": [...], "dtype_names": [...], "shapes": [...]}')
+    return load_weights(runner, update_info["path"])
 
 
 def _check_fit(runner, shapes) -> None:

@@ -166,8 +166,8 @@ def test_weight_update_calls_come_in_order():
     with pytest.raises(ValueError, match="start_weight_update first"):
         core.update_weights({"path": "/nonexistent"})
     core.start_weight_update()
-    with pytest.raises(ValueError, match="update_info must be"):
-        core.update_weights({"file": "x"})
+    with pytest.raises(ValueError, match="SimulatedModelRunner has no weights to update"):
+        core.update_weights({"path": "/nonexistent"})
     core.finish_weight_update("step-7")
     assert core.get_weight_version() == "step-7"
 
@@ -219,6 +219,10 @@ def test_weight_update_from_a_file_changes_outputs_to_transformers_with_the_new_
     llm.start_weight_update()
     with pytest.raises(ValueError, match="does not fit the model"):
         llm.update_weights({"path": str(bad)})
+    with pytest.raises(ValueError, match="update_info must be"):
+        llm.update_weights({"file": "x"})
+    with pytest.raises(ValueError, match="call init_weight_transfer_engine first"):
+        llm.update_weights({"names": [name], "dtype_names": ["float32"], "shapes": [[3, 3]]})
     assert torch.equal(dict(runner.model.named_parameters())[name], original)
     new = tmp_path / "new.safetensors"
     save_file({name: (original * -1.0).contiguous()}, str(new))
