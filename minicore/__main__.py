@@ -50,8 +50,14 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='tool_choice "auto", "required" and named (needs --tool-call-parser)'
                              ", as vLLM's")
-    parser.add_argument("--tool-call-parser", choices=ToolParserManager.list_registered(),
-                        help="the model's tool call format, read into tool_calls")
+    parser.add_argument("--tool-call-parser", metavar="NAME",
+                        help="the model's tool call format, read into tool_calls: "
+                             f"{', '.join(ToolParserManager.list_registered())}, or one that "
+                             "--tool-parser-plugin registers")
+    parser.add_argument("--tool-parser-plugin", metavar="FILE",
+                        help="a Python file that registers a tool parser "
+                             "(@ToolParserManager.register_module(name), from "
+                             "minicore.entrypoints.tool_parsers), as vLLM's")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--metrics-prefix", type=_metrics_prefix, default="vllm",
@@ -126,6 +132,11 @@ def _serve(args: argparse.Namespace) -> None:
         args.model = args.model_tag
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    if args.tool_parser_plugin:
+        ToolParserManager.import_tool_parser(args.tool_parser_plugin)
+    if args.tool_call_parser and args.tool_call_parser not in ToolParserManager.list_registered():
+        raise ValueError(f"--tool-call-parser {args.tool_call_parser!r} is not a tool parser; "
+                         f"they are {', '.join(ToolParserManager.list_registered())}")
     config = create_engine_config(**engine_kwargs_from_cli(args))
     check_local_paths(config)
     if config.parallel_config.data_parallel_backend == "ray" and not find_spec("ray"):

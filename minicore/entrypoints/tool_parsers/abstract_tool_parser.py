@@ -2,10 +2,13 @@
 
 Mirrors vllm/tool_parsers/abstract_tool_parser.py. A parser keeps state while streaming, so each
 choice has its own. Left out: the tokenizer and tools vLLM's constructor takes (no parser here
-uses them), lazy registration.
+uses them), lazy registration (a plugin file registers its parsers as it runs).
 """
 
+import importlib.util
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from minicore.entrypoints.tool_records import DeltaMessage, ToolCall
 from minicore.sampling_params import SamplingParams
@@ -64,3 +67,14 @@ class ToolParserManager:
     @classmethod
     def list_registered(cls) -> list[str]:
         return sorted(cls.tool_parsers)
+
+    @classmethod
+    def import_tool_parser(cls, path: str) -> None:
+        """Run a plugin file, whose parsers register themselves (--tool-parser-plugin)."""
+        file = Path(path).expanduser()
+        spec = importlib.util.spec_from_file_location(file.stem, file)
+        if not file.is_file() or spec is None:
+            raise ValueError(f"--tool-parser-plugin {path!r}: no such Python file")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[file.stem] = module
+        spec.loader.exec_module(module)
