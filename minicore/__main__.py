@@ -13,6 +13,7 @@ from minicore.arg_utils import FlexibleArgumentParser, human_readable_int
 from minicore.config import create_engine_config
 from minicore.dp.sim_report import add_simulate_args, simulate_main
 from minicore.engine.arg_utils import add_engine_cli_args, engine_kwargs_from_cli
+from minicore.entrypoints.reasoning import REASONING_PARSERS
 from minicore.entrypoints.tool_parsers import ToolParserManager
 from minicore.logger import configure_logging
 
@@ -54,6 +55,10 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="the model's tool call format, read into tool_calls: "
                              f"{', '.join(ToolParserManager.list_registered())}, or one that "
                              "--tool-parser-plugin registers")
+    parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
+                        help="split a thinking model's output at </think>: its reasoning in "
+                             "message.reasoning (and delta.reasoning), the rest the content, as "
+                             "vLLM's")
     parser.add_argument("--tool-parser-plugin", metavar="FILE",
                         help="a Python file that registers a tool parser "
                              "(@ToolParserManager.register_module(name), from "

@@ -320,7 +320,8 @@ async def _serve(config: EngineConfig, args, sock: socket.socket, client: AsyncL
                                 args.trust_request_chat_template,
                                 args.return_tokens_as_token_ids,
                                 enable_auto_tools=args.enable_auto_tool_choice,
-                                tool_parser=args.tool_call_parser)
+                                tool_parser=args.tool_call_parser,
+                                reasoning_parser=args.reasoning_parser)
         limits = http_limits(args, serving.max_model_len)
         app = build_app(client, serving, metrics, args.api_key, not args.disable_log_stats,
                         args.enable_server_load_tracking, limits)

@@ -237,6 +237,7 @@ class ChatTemplateFields(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(ChatTemplateFields, SamplingRequest):
+    include_reasoning: bool = True  # with --reasoning-parser: the message's reasoning field
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False

@@ -12,7 +12,8 @@ at the top of a chat response. stream_options.continuous_usage_stats puts the ch
 every chunk. Chat tools (tool_calls.py): the tools reach the template, named and "required" tool
 choice constrain the output, and each choice's output is read back into tool calls, whole or
 delta by delta, with vLLM's finish reasons; "auto" needs a tool parser (--enable-auto-tool-choice
---tool-call-parser). Left out: reasoning parsers, return_token_ids, per-request metrics.
+--tool-call-parser), a thinking model's reasoning split off first (--reasoning-parser). Left out:
+return_token_ids, per-request metrics.
 """
 
 import time
@@ -39,6 +40,7 @@ from minicore.entrypoints.openai_protocol import (
     random_uuid,
     sse,
 )
+from minicore.entrypoints.reasoning import REASONING_PARSERS, WithReasoning
 from minicore.entrypoints.serving_engine import Choice, OpenAIServingBase
 from minicore.entrypoints.tool_calls import ToolCallParser, check_tools
 from minicore.entrypoints.tool_parsers import ToolParserManager
@@ -46,11 +48,12 @@ from minicore.entrypoints.tool_parsers import ToolParserManager
 
 class OpenAIServing(OpenAIServingBase):
     def __init__(self, *args, enable_auto_tools: bool = False, tool_parser: str | None = None,
-                 **kwargs):
+                 reasoning_parser: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         # As vLLM's ParserManager.get_tool_parser: the parser serves only with auto tool choice.
         self.tool_parser_cls = (ToolParserManager.get_tool_parser(tool_parser)
                                 if enable_auto_tools and tool_parser else None)
+        self.reasoning_parser = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
 
     def _formatter(self, request) -> LogprobsFormatter:
         as_ids = request.return_tokens_as_token_ids
@@ -181,7 +184,8 @@ class OpenAIServing(OpenAIServingBase):
                 raise OpenAIError(e.message, 400, "tools") from None
             raise
         model = request.model or self.model_names[0]
-        parsers = [tools.parser() for _ in choices]
+        parsers = [tools.parser() if self.reasoning_parser is None else WithReasoning(
+            self.reasoning_parser, tools.parser(), request.include_reasoning) for _ in choices]
         # vLLM's chat echo: the last message, when it is the assistant's, heads the answer.
         echo = (conversation[-1]["content"] if request.echo
                 and conversation[-1]["role"] == "assistant" else "")

@@ -15,7 +15,8 @@ runs them with VLLM_ENFORCE_STRICT_TOOL_CALLING=0: the named function's paramete
 <tool_call> format with an xgrammar structural tag (arguments unconstrained unless a tool is
 strict). Unlike vLLM, a named or "required" call is streamed whole when the output ends, and a call
 cut by max_tokens is no call, streamed or not. Left out: --exclude-tools-when-tool-choice-none
-(tools always reach the template), reasoning parsers, kimi_k2 tool call ids, Mistral tokenizers.
+(tools always reach the template), kimi_k2 tool call ids, Mistral tokenizers (reasoning comes
+off before: reasoning.py).
 Adds OpenAI's limits on tools (MAX_TOOLS, MAX_TOOL_NAME_CHARS).
 """
 

@@ -7,7 +7,7 @@ ToolCall, DeltaFunctionCall, DeltaToolCall and DeltaMessage
 has no tool_calls key, one with them has content null unless the model also wrote text; a whole
 call always has id, type and function; a streamed one carries only what is new (its first delta
 the id, type and name, later ones argument text), as vLLM's exclude_unset stream chunks do.
-Left out: vLLM's reasoning, refusal, annotations, audio and function_call message fields, and its
+Left out: vLLM's refusal, annotations, audio and function_call message fields, and its
 internal FunctionCall.id (never serialized).
 """
 
@@ -49,9 +49,12 @@ class ChatMessage(msgspec.Struct, omit_defaults=True):
     role: str
     content: str | None
     tool_calls: list[ToolCall] = []
+    # A thinking model's reasoning (--reasoning-parser: minicore/entrypoints/reasoning.py).
+    reasoning: str | None = None
 
 
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | msgspec.UnsetType = msgspec.UNSET

@@ -1,0 +1,71 @@
+"""--reasoning-parser deepseek_r1 / qwen3 (minicore/entrypoints/reasoning.py): a thinking model's
+output split at </think> into message.reasoning and the content, whole and streamed in pieces of
+any size (the deltas joined give the same split), include_reasoning false leaving the reasoning
+out; and served, on the default model forced by a regex to think first: the same split in the
+response and in the stream."""
+
+import json
+
+import httpx
+import pytest
+from server_helpers import ServerProcess
+
+from minicore.entrypoints.reasoning import REASONING_PARSERS, WithReasoning
+from minicore.entrypoints.tool_calls import ChatTools, ToolCallParser
+
+CASES = [
+    ("deepseek_r1", "<think>Paris is the capital.</think>The answer is Paris.",
+     "Paris is the capital.", "The answer is Paris."),
+    # DeepSeek-R1's template opens the tag in the prompt: the output only closes it.
+    ("deepseek_r1", "Let me think.</think>Paris.", "Let me think.", "Paris."),
+    ("deepseek_r1", "Still thinking about it", "Still thinking about it", None),
+    ("qwen3", "<think>\nShort.\n</think>\n\nParis.", "\nShort.\n", "\n\nParis."),
+    ("qwen3", "Paris, without thinking.", None, "Paris, without thinking."),
+    ("qwen3", "<think>never closed", None, "<think>never closed"),
+]
+
+
+def chat_parser(name: str, include: bool = True) -> WithReasoning:
+    no_tools = ChatTools(None, "none", None, None)
+    return WithReasoning(REASONING_PARSERS[name](), ToolCallParser(no_tools), include)
+
+
+@pytest.mark.parametrize("name, output, reasoning, content", CASES)
+def test_a_whole_output(name, output, reasoning, content):
+    message, finish_reason = chat_parser(name).parse(output, "stop")
+    assert (message.reasoning, message.content, finish_reason) == (reasoning, content, "stop")
+    assert chat_parser(name, include=False).parse(output, "stop")[0].reasoning is None
+
+
+@pytest.mark.parametrize("name, output, reasoning, content", CASES[:5])
+@pytest.mark.parametrize("piece", [1, 2, 3, 5, 8])
+def test_streamed_in_pieces(name, output, reasoning, content, piece):
+    parser, joined = chat_parser(name), {"reasoning": "", "content": ""}
+    pieces = [output[i:i + piece] for i in range(0, len(output), piece)]
+    for i, delta in enumerate(pieces):
+        message = parser.parse_delta(delta, "stop" if i == len(pieces) - 1 else None)
+        for key in joined:
+            joined[key] += getattr(message, key, None) or "" if message else ""
+    assert joined == {"reasoning": reasoning or "", "content": content or ""}
+
+
+def test_served_the_reasoning_comes_apart_from_the_content():
+    regex = r"<think>[a-z ]{8,40}</think>[A-Z][a-z]{2,12}\."
+    with ServerProcess("--max-model-len", "512", "--kv-cache-memory", str(64 << 20),
+                       "--reasoning-parser", "deepseek_r1") as server, \
+            httpx.Client(base_url=server.url, timeout=120) as http:
+        body = {"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 64, "temperature": 0, "structured_outputs": {"regex": regex}}
+        message = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert message["reasoning"] and message["content"][0].isupper()
+        assert "<think>" not in message["reasoning"] + message["content"]
+        joined = {"reasoning": "", "content": ""}
+        with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    delta = json.loads(line[6:])["choices"][0]["delta"]
+                    for key in joined:
+                        joined[key] += delta.get(key) or ""
+        assert joined == {"reasoning": message["reasoning"], "content": message["content"]}
+        hidden = http.post("/v1/chat/completions", json={**body, "include_reasoning": False})
+        assert "reasoning" not in hidden.json()["choices"][0]["message"]
