@@ -195,14 +195,17 @@ class AsyncLLM:
         finally:
             await self._report_sleep_state()
 
-    async def wake_up(self, tags: list[str] | None = None) -> None:
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
         """Bring back "weights", "kv_cache" and/or "scheduling" (None: all) on every engine;
-        generation resumes once every engine is whole."""
+        generation resumes once every engine is whole. Whether they all are (vLLM's
+        fully_awake)."""
         wake_tags(tags)
         await self.call_utility_all("wake_up", tags)
-        if not await self.is_sleeping():
+        awake = not await self.is_sleeping()
+        if awake:
             self._release()
         await self._report_sleep_state()
+        return awake
 
     async def is_sleeping(self) -> bool:
         return any(await self.call_utility_all("is_sleeping"))
@@ -246,14 +249,14 @@ class AsyncLLM:
     async def update_weight_version(self, weight_version: str) -> None:
         await self.call_utility_all("update_weight_version", weight_version)
 
-    async def abort_requests(self, request_ids: list[str]) -> list[str]:
-        """abort for several requests at once, each named by its id or by its response's (a
-        completion's "cmpl-..." names all its choices); returns the ids aborted."""
-        names = set(request_ids)
+    async def abort_requests(self, request_ids: list[str] | None = None) -> int:
+        """abort for several requests at once (None: every one in flight), each named by its
+        id or by its response's (a completion's "cmpl-..." names all its choices); how many."""
+        names = set(request_ids or ())
         running = [rid for rid in self.output_processor.request_states
-                   if rid in names or rid.rpartition("-")[0] in names]
+                   if request_ids is None or rid in names or rid.rpartition("-")[0] in names]
         self._abort(running)
-        return running
+        return len(running)
 
     async def _holding(self, calls) -> None:
         """Hold new requests while calls pause the engines; open again if they fail."""

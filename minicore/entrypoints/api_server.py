@@ -111,7 +111,7 @@ def build_app(client: AsyncLLM, serving: OpenAIServing, metrics: ServerMetrics,
                   telemetry={"tracing": False, "metrics": False, "logs": False})
     # The dev routes (VLLM_SERVER_DEV_MODE=1) need the key too: they can stop generation,
     # free the engines' memory and load weights (vLLM leaves them open).
-    dev_paths = attach_dev_routes(app, client) if dev_mode() else frozenset()
+    dev_paths = attach_dev_routes(app, client, metrics) if dev_mode() else frozenset()
     if api_key:
         app.add_middleware(AuthenticationMiddleware, api_key=api_key, also=dev_paths)
     limits = limits or HttpLimits()
@@ -245,10 +245,12 @@ def _add_admin_routes(app: FastAPI, client: AsyncLLM) -> None:
         # Every engine's cache; vLLM's answer: success is False while some block is in use, and
         # reset_running_requests preempts the running requests first (recomputed later).
         # reset_external (a connector's own cache): minicore's connectors keep none.
-        success = await client.reset_prefix_cache(reset_running_requests)
-        logger.info("reset the prefix cache (running requests too: %s): %s",
-                    reset_running_requests, success)
-        return json_response({"success": success})
+        num_engines = client.config.parallel_config.data_parallel_size
+        results = [await client.call_utility("reset_prefix_cache", reset_running_requests,
+                                             engine_index=i) for i in range(num_engines)]
+        logger.info("reset the prefix cache of %d engine(s) (running requests too: %s): %s",
+                    num_engines, reset_running_requests, results)
+        return json_response({"success": all(results)})
 
 
 def rank_header(raw_request: Request) -> str | None:

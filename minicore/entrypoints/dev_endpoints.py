@@ -20,7 +20,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, FastAPI, Query
 
 from minicore.engine.async_llm import AsyncLLM
-from minicore.engine.control import WAKE_TAGS, PauseMode
+from minicore.engine.control import PauseMode
+from minicore.entrypoints.metrics import OperationMetrics, ServerMetrics
 from minicore.entrypoints.openai_errors import OpenAIError
 from minicore.entrypoints.utils import json_response
 
@@ -42,25 +43,28 @@ async def _control(call) -> Any:
         raise OpenAIError(str(e), 500) from None
 
 
-def attach_dev_routes(app: FastAPI, client: AsyncLLM) -> frozenset[str]:
+def attach_dev_routes(app: FastAPI, client: AsyncLLM, metrics: ServerMetrics) -> frozenset[str]:
     """Mount the routes; their paths, which --api-key guards."""
     router = APIRouter()
-    _add_sleep_and_pause_routes(router, client)
-    _add_worker_routes(router, client)
+    _add_sleep_and_pause_routes(router, client, metrics.sleep_operations)
+    _add_worker_routes(router, client, metrics.weight_operations)
     app.include_router(router)
     return frozenset(route.path for route in router.routes)
 
 
-def _add_sleep_and_pause_routes(app: APIRouter, client: AsyncLLM) -> None:
+def _add_sleep_and_pause_routes(app: APIRouter, client: AsyncLLM,
+                                operations: OperationMetrics) -> None:
     @app.post("/sleep")
     async def sleep(level: int = 1, mode: PauseMode = "abort"):
-        await _control(client.sleep(level, mode))
+        with operations.record("sleep"):
+            await _control(client.sleep(level, mode))
         return json_response({"status": "sleeping", "level": level})
 
     @app.post("/wake_up")
     async def wake_up(tags: Annotated[list[str] | None, Query()] = None):
-        await _control(client.wake_up(tags or None))
-        return json_response({"status": "awake", "tags": tags or list(WAKE_TAGS)})
+        with operations.record("wake"):
+            awake = await _control(client.wake_up(tags or None))
+        return json_response({"status": "awake" if awake else "sleeping", "tags": tags or None})
 
     @app.get("/is_sleeping")
     async def is_sleeping():
@@ -82,7 +86,7 @@ def _add_sleep_and_pause_routes(app: APIRouter, client: AsyncLLM) -> None:
         return json_response({"is_paused": await _control(client.is_paused())})
 
 
-def _add_worker_routes(app: APIRouter, client: AsyncLLM) -> None:
+def _add_worker_routes(app: APIRouter, client: AsyncLLM, operations: OperationMetrics) -> None:
     @app.post("/collective_rpc")
     async def collective_rpc(method: Annotated[str, Body()], args: Annotated[list, Body()] = [],  # noqa: B006 (FastAPI copies defaults)
                              kwargs: Annotated[dict, Body()] = {},  # noqa: B006
@@ -93,7 +97,8 @@ def _add_worker_routes(app: APIRouter, client: AsyncLLM) -> None:
 
     @app.post("/start_weight_update")
     async def start_weight_update():
-        await _control(client.start_weight_update())
+        with operations.record("start"):
+            await _control(client.start_weight_update())
         return json_response({"message": "Weight update started"})
 
     @app.post("/update_weights")
@@ -103,36 +108,43 @@ def _add_worker_routes(app: APIRouter, client: AsyncLLM) -> None:
             raise OpenAIError('update_info must be {"path": "<a local safetensors file or '
                               'directory>"} or {"names", "dtype_names", "shapes"} of a trainer\'s '
                               f'broadcast; no such path: {path!r}', 400)
-        await _control(client.update_weights(update_info))
+        with operations.record("update"):
+            await _control(client.update_weights(update_info))
         return json_response({"message": "Weights updated"})
 
     @app.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine(init_info: Annotated[dict, Body(embed=True)]):
-        await _control(client.init_weight_transfer_engine(init_info))
-        return json_response({"message": "Weight transfer engine initialized"})
+        with operations.record("init"):
+            await _control(client.init_weight_transfer_engine(init_info))
+        return json_response({"message": "Weight transfer initialized"})
 
     @app.post("/shutdown_weight_transfer_engine")
     async def shutdown_weight_transfer_engine():
-        await _control(client.shutdown_weight_transfer_engine())
-        return json_response({"message": "Weight transfer engine shut down"})
+        with operations.record("shutdown"):
+            await _control(client.shutdown_weight_transfer_engine())
+        return json_response({"message": "Weight transfer shut down"})
 
     @app.post("/update_weight_version")
-    async def update_weight_version(weight_version: Annotated[str, Body(embed=True)]):
-        await _control(client.update_weight_version(weight_version))
-        return json_response({"weight_version": weight_version})
+    async def update_weight_version(new_version: Annotated[str, Body(embed=True)]):
+        await _control(client.update_weight_version(new_version))
+        return json_response({"success": True, "new_version": new_version})
 
     @app.get("/get_world_size")
-    async def get_world_size():
-        # One worker a DP engine (no tensor or pipeline parallelism).
-        return json_response({"world_size": client.config.parallel_config.data_parallel_size})
+    async def get_world_size(include_dp: bool = True):
+        # One worker an engine: no tensor or pipeline parallelism.
+        dp_size = client.config.parallel_config.data_parallel_size
+        return json_response({"world_size": dp_size if include_dp else 1})
 
     @app.post("/abort_requests")
-    async def abort_requests(request_ids: Annotated[list[str], Body(embed=True)]):
-        return json_response({"aborted": await client.abort_requests(request_ids)})
+    async def abort_requests(request_ids: Annotated[list[str] | None, Body(embed=True)] = None):
+        # vLLM's: none named aborts every request in flight.
+        count = await client.abort_requests(request_ids or None)
+        return json_response({"status": "aborted", "aborted": count})
 
     @app.post("/finish_weight_update")
     async def finish_weight_update(weight_version: Annotated[str | None, Body(embed=True)] = None):
-        await _control(client.finish_weight_update(weight_version))
+        with operations.record("finish"):
+            await _control(client.finish_weight_update(weight_version))
         return json_response({"message": "Weight update finished"})
 
     @app.get("/weight_info")

@@ -32,14 +32,14 @@ and watermark requests, admission rejections (no queue limits), prompt tokens by
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
-    disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -56,6 +56,8 @@ from minicore.spec_decode.metrics import sum_spec_stats
 logger = logging.getLogger("minicore.stats")
 
 DEFAULT_PREFIX = "vllm"
+# The control-plane operations' buckets, seconds (vLLM's).
+OPERATION_BUCKETS = (0.01, 0.1, 1, 10, 30, 60, 120, 300, 600)
 
 # vLLM's bucket families (vllm/v1/metrics/buckets.py).
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
@@ -192,6 +194,31 @@ def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
     return total
 
 
+class OperationMetrics:
+    """vLLM's duration histogram and in-flight gauge of one kind of control-plane operation,
+    labelled by operation (vllm/entrypoints/serve/dev/sleep/metrics.py,
+    vllm/entrypoints/rl/online/metrics.py)."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str, name: str, kind: str):
+        self.duration = Histogram(f"{prefix}:{name}_operation_duration_seconds",
+                                  f"Duration of one {kind} operation.", ["operation"],
+                                  buckets=OPERATION_BUCKETS, registry=registry)
+        self.in_flight = Gauge(f"{prefix}:{name}_operations_in_flight",
+                               f"{kind.capitalize()} operations currently awaited.",
+                               ["operation"], registry=registry)
+
+    @contextmanager
+    def record(self, operation: str) -> Iterator[None]:
+        in_flight = self.in_flight.labels(operation)
+        in_flight.inc()
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            in_flight.dec()
+            self.duration.labels(operation).observe(time.perf_counter() - started)
+
+
 class ServerMetrics:
     """The Prometheus registry of one server, and the per-request recording that feeds it.
     config gives max_model_len (the token histograms' buckets) and the cache config
@@ -201,8 +228,6 @@ class ServerMetrics:
                  prefix: str = DEFAULT_PREFIX, config: EngineConfig | None = None,
                  num_blocks: int | None = None):
         config = config or EngineConfig()
-        # As vLLM: no *_created series (a process-wide switch of prometheus_client).
-        disable_created_metrics()
         self.registry = reg = CollectorRegistry()
         ProcessCollector(registry=reg)
         PlatformCollector(registry=reg)
@@ -227,6 +252,10 @@ class ServerMetrics:
         self._success = {str(reason): [success.labels(model_name, str(e), str(reason))
                                        for e in range(num_engines)] for reason in FinishReason}
         self._info_gauges(prefix, dataclasses.replace(config.cache_config, num_blocks=num_blocks))
+        # The dev routes' operations (VLLM_SERVER_DEV_MODE=1): sleep, wake; weight transfer.
+        self.sleep_operations = OperationMetrics(reg, prefix, "sleep_mode", "sleep-mode")
+        self.weight_operations = OperationMetrics(reg, prefix, "rl_weight_update",
+                                                  "weight-transfer")
         # Plain totals for the log line (prometheus_client does not expose its values).
         self.num_prompt_tokens = [0] * num_engines
         self.num_generation_tokens = [0] * num_engines

@@ -3,7 +3,8 @@ request shapes, each reply read as vLLM's: get_world_size; init_weight_transfer_
 weight updates broadcast from this process over the gloo group (minicore/dp/weight_transfer.py):
 both ranks' greedy answers change with the weights and come back with the first weights;
 update_weight_version; abort_requests by response id; a level-1 sleep with a request in flight
-and a wake by tags; pause with mode keep and resume. Default model, float32."""
+and a wake by tags; pause with mode keep and resume; the operations' duration metrics. Default
+model, float32."""
 
 import json
 import threading
@@ -43,6 +44,8 @@ def test_an_rl_trainer_drives_a_dp2_server(monkeypatch, hf_model_and_tokenizer):
                        "--kv-cache-memory", str(64 << 20)) as server, \
             httpx.Client(base_url=server.url, timeout=120) as http, ThreadPoolExecutor(2) as pool:
         assert http.get("/get_world_size").json() == {"world_size": 2}
+        assert http.get("/get_world_size", params={"include_dp": "false"}).json() == {
+            "world_size": 1}
         first = answers(http)
         assert first[0] == first[1]
 
@@ -51,7 +54,7 @@ def test_an_rl_trainer_drives_a_dp2_server(monkeypatch, hf_model_and_tokenizer):
         joined = pool.submit(http.post, "/init_weight_transfer_engine",
                              json={"init_info": init_info})
         group = trainer_init(init_info)
-        assert joined.result().status_code == 200, joined.result().text
+        assert joined.result().json() == {"message": "Weight transfer initialized"}
 
         def update(tensor: torch.Tensor, version: str) -> list[str]:
             named = [(NAME, tensor)]
@@ -72,15 +75,16 @@ def test_an_rl_trainer_drives_a_dp2_server(monkeypatch, hf_model_and_tokenizer):
         assert second[0] == second[1] != first[0]
         assert third[0] == third[1] not in (first[0], second[0])
         assert update(original, "step-3") == first
-        assert http.post("/update_weight_version", json={"weight_version": "v4"}).json() == {
-            "weight_version": "v4"}
+        assert http.post("/update_weight_version", json={"new_version": "v4"}).json() == {
+            "success": True, "new_version": "v4"}
         assert http.get("/weight_info").json() == {"weight_version": "v4"}
-        assert http.post("/shutdown_weight_transfer_engine").status_code == 200
+        assert http.post("/shutdown_weight_transfer_engine").json() == {
+            "message": "Weight transfer shut down"}
 
         # abort_requests, by the id of the response being streamed.
         stream_id, finish = streamed_until_aborted(http, pool)
         assert http.post("/abort_requests", json={"request_ids": [stream_id]}).json() == {
-            "aborted": [f"{stream_id}-0"]}
+            "status": "aborted", "aborted": 1}
         assert finish.result(timeout=60) == "abort"
 
         # A level-1 sleep with a request in flight (mode abort ends it), woken tag by tag.
@@ -88,8 +92,8 @@ def test_an_rl_trainer_drives_a_dp2_server(monkeypatch, hf_model_and_tokenizer):
         assert http.post("/sleep", params={"level": 1}).json() == {"status": "sleeping",
                                                                    "level": 1}
         assert finish.result(timeout=60) == "abort"
-        for tags in (["weights"], ["kv_cache"]):
-            assert http.post("/wake_up", params={"tags": tags}).json() == {"status": "awake",
+        for tags, status in ((["weights"], "sleeping"), (["kv_cache"], "awake")):
+            assert http.post("/wake_up", params={"tags": tags}).json() == {"status": status,
                                                                          "tags": tags}
         assert http.get("/is_sleeping").json() == {"is_sleeping": False}
         # Pause keep freezes a request in flight; resume lets it finish.
@@ -99,6 +103,14 @@ def test_an_rl_trainer_drives_a_dp2_server(monkeypatch, hf_model_and_tokenizer):
         assert http.post("/resume").json() == {"status": "resumed"}
         assert finish.result(timeout=60) == "length"
         assert answers(http) == first
+        # vLLM's operation metrics: three updates, one sleep, two wakes.
+        metrics = http.get("/metrics").text
+        for name, operation, count in (("rl_weight_update", "update", 3),
+                                       ("rl_weight_update", "init", 1),
+                                       ("sleep_mode", "sleep", 1), ("sleep_mode", "wake", 2)):
+            sample = (f'vllm:{name}_operation_duration_seconds_count{{operation="{operation}"}} '
+                      f"{count:.1f}")
+            assert sample in metrics, sample
 
 
 def streamed_until_aborted(http: httpx.Client, pool: ThreadPoolExecutor):
