@@ -10,12 +10,12 @@ answers are vLLM 0.32's: /sleep {"status": "sleeping", "level": N} (level 0 only
 {"status": "awake", "tags": [...]} ("scheduling" among the tags), /is_sleeping true while paused.
 Bad arguments are a 400 with an OpenAI error body, a failure in an engine a 500. The weight
 transfer engine is a gloo group with the trainer (minicore/dp/weight_transfer.py). Left out: NCCL
-and IPC transfers, /weight_checker, /start_draft_weight_update, /release_kv_cache_memory.
+and IPC transfers, /start_draft_weight_update (no draft models), /release_kv_cache_memory.
 """
 
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, FastAPI, Query
 
@@ -47,7 +47,9 @@ def attach_dev_routes(app: FastAPI, client: AsyncLLM, metrics: ServerMetrics) ->
     """Mount the routes; their paths, which --api-key guards."""
     router = APIRouter()
     _add_sleep_and_pause_routes(router, client, metrics.sleep_operations)
-    _add_worker_routes(router, client, metrics.weight_operations)
+    _add_worker_routes(router, client)
+    _add_weight_routes(router, client, metrics.weight_operations)
+    _add_weight_checker(router, client)
     app.include_router(router)
     return frozenset(route.path for route in router.routes)
 
@@ -86,7 +88,7 @@ def _add_sleep_and_pause_routes(app: APIRouter, client: AsyncLLM,
         return json_response({"is_paused": await _control(client.is_paused())})
 
 
-def _add_worker_routes(app: APIRouter, client: AsyncLLM, operations: OperationMetrics) -> None:
+def _add_worker_routes(app: APIRouter, client: AsyncLLM) -> None:
     @app.post("/collective_rpc")
     async def collective_rpc(method: Annotated[str, Body()], args: Annotated[list, Body()] = [],  # noqa: B006 (FastAPI copies defaults)
                              kwargs: Annotated[dict, Body()] = {},  # noqa: B006
@@ -94,6 +96,21 @@ def _add_worker_routes(app: APIRouter, client: AsyncLLM, operations: OperationMe
         # The engines send results back as msgpack builtins: JSON values already.
         results = await _control(client.collective_rpc(method, timeout, tuple(args), kwargs))
         return json_response({"results": results})
+
+    @app.get("/get_world_size")
+    async def get_world_size(include_dp: bool = True):
+        # One worker an engine: no tensor or pipeline parallelism.
+        dp_size = client.config.parallel_config.data_parallel_size
+        return json_response({"world_size": dp_size if include_dp else 1})
+
+    @app.post("/abort_requests")
+    async def abort_requests(request_ids: Annotated[list[str] | None, Body(embed=True)] = None):
+        # vLLM's: none named aborts every request in flight.
+        count = await client.abort_requests(request_ids or None)
+        return json_response({"status": "aborted", "aborted": count})
+
+
+def _add_weight_routes(app: APIRouter, client: AsyncLLM, operations: OperationMetrics) -> None:
 
     @app.post("/start_weight_update")
     async def start_weight_update():
@@ -129,18 +146,6 @@ def _add_worker_routes(app: APIRouter, client: AsyncLLM, operations: OperationMe
         await _control(client.update_weight_version(new_version))
         return json_response({"success": True, "new_version": new_version})
 
-    @app.get("/get_world_size")
-    async def get_world_size(include_dp: bool = True):
-        # One worker an engine: no tensor or pipeline parallelism.
-        dp_size = client.config.parallel_config.data_parallel_size
-        return json_response({"world_size": dp_size if include_dp else 1})
-
-    @app.post("/abort_requests")
-    async def abort_requests(request_ids: Annotated[list[str] | None, Body(embed=True)] = None):
-        # vLLM's: none named aborts every request in flight.
-        count = await client.abort_requests(request_ids or None)
-        return json_response({"status": "aborted", "aborted": count})
-
     @app.post("/finish_weight_update")
     async def finish_weight_update(weight_version: Annotated[str | None, Body(embed=True)] = None):
         with operations.record("finish"):
@@ -150,3 +155,25 @@ def _add_worker_routes(app: APIRouter, client: AsyncLLM, operations: OperationMe
     @app.get("/weight_info")
     async def weight_info():
         return json_response({"weight_version": await _control(client.get_weight_version())})
+
+
+def _add_weight_checker(app: APIRouter, client: AsyncLLM) -> None:
+    """vLLM's: each parameter's checksum on every worker, compared with a baseline; or every
+    parameter zeroed, so that a check can tell that an update brought them all."""
+    @app.post("/weight_checker")
+    async def weight_checker(action: Annotated[Literal["checksum", "reset", "compare"],
+                                               Body(embed=True)],
+                             baseline: Annotated[dict[str, str] | None, Body(embed=True)] = None):
+        if action == "reset":
+            await _control(client.collective_rpc("reset_weights"))
+            return json_response({"status": "reset"})
+        if action == "compare" and baseline is None:
+            raise OpenAIError("action 'compare' requires a 'baseline' object", 400, "baseline")
+        checksums = {name: digest for per_worker in await _control(
+            client.collective_rpc("compute_weight_checksums")) for name, digest in
+            per_worker.items()}
+        if action == "checksum":
+            return json_response({"checksums": checksums})
+        mismatches = sorted(k for k in checksums.keys() | baseline.keys()
+                            if checksums.get(k) != baseline.get(k))
+        return json_response({"match": not mismatches, "mismatches": mismatches})

@@ -135,6 +135,12 @@ class ModelRunner(ModelRunnerBase):
     def shutdown_weight_transfer_engine(self) -> None:
         self.weight_transfer = None
 
+    def compute_weight_checksums(self) -> dict[str, str]:
+        return sleep_mode.weight_checksums(self)
+
+    def reset_weights(self) -> None:
+        sleep_mode.reset_weights(self)
+
     # ---- KV cache sizing -----------------------------------------------------------------------
 
     def _kv_layout(self) -> tuple[int, int, int]:

@@ -12,6 +12,7 @@ host memory goes back to the kernel (malloc_trim): the runner's heap keeps freed
 """
 
 import gc
+import hashlib
 import logging
 from pathlib import Path
 
@@ -113,6 +114,24 @@ def update_weights(runner, update_info: dict) -> int:
         raise ValueError('update_info must be {"path": "<safetensors file or directory>"} or '
                          '{"names": [...], "dtype_names": [...], "shapes": [...]}')
     return load_weights(runner, update_info["path"])
+
+
+def weight_checksums(runner) -> dict[str, str]:
+    """Each parameter's sha256 over its bytes, named as vLLM's workers name them (their DP, PP,
+    PCP and TP ranks first: vLLM's compute_tensor_digests), for POST /weight_checker."""
+    prefix = f"dp{runner.config.parallel_config.data_parallel_rank}:pp0:pcp0:tp0:"
+    return {prefix + name: hashlib.sha256(
+        p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+        for name, p in runner.model.named_parameters()}
+
+
+def reset_weights(runner) -> None:
+    """Every parameter zeroed (vLLM's zero_weights), so that a check can tell that an update
+    brought them all."""
+    with torch.no_grad():
+        for param in runner.model.parameters():
+            param.zero_()
+    runner.bind_weights()
 
 
 def _check_fit(runner, shapes) -> None:

@@ -39,7 +39,9 @@ DEV_ROUTES = [("post", "/sleep"), ("post", "/wake_up"), ("get", "/is_sleeping"),
               ("post", "/pause"), ("post", "/resume"), ("get", "/is_paused"),
               ("post", "/collective_rpc"), ("post", "/start_weight_update"),
               ("post", "/update_weights"), ("post", "/finish_weight_update"),
-              ("get", "/weight_info")]
+              ("get", "/weight_info"), ("post", "/init_weight_transfer_engine"),
+              ("post", "/shutdown_weight_transfer_engine"), ("post", "/update_weight_version"),
+              ("get", "/get_world_size"), ("post", "/abort_requests"), ("post", "/weight_checker")]
 API_KEY = "dev-secret"
 
 
@@ -159,11 +161,8 @@ def test_without_dev_mode_no_dev_endpoint_is_mounted(monkeypatch):
     monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
     with ServerProcess("--runner", "simulated") as server, \
             httpx.Client(base_url=server.url, timeout=60) as http:
-        for path in ("/sleep", "/wake_up", "/pause", "/resume", "/collective_rpc",
-                     "/start_weight_update", "/update_weights", "/finish_weight_update"):
-            assert http.post(path).status_code == 404, path
-        for path in ("/is_sleeping", "/is_paused", "/weight_info"):
-            assert http.get(path).status_code == 404, path
+        for method, path in DEV_ROUTES:
+            assert http.request(method.upper(), path).status_code == 404, path
 
 
 def run_example(*args: str) -> str:

@@ -1,7 +1,8 @@
 """What an RL trainer does to a served DP=2 engine (VLLM_SERVER_DEV_MODE=1), with vLLM 0.32's
 request shapes, each reply read as vLLM's: get_world_size; init_weight_transfer_engine, then three
 weight updates broadcast from this process over the gloo group (minicore/dp/weight_transfer.py):
-both ranks' greedy answers change with the weights and come back with the first weights;
+both ranks' greedy answers change with the weights and come back with the first weights, as the
+weight checker's checksums do;
 update_weight_version; abort_requests by response id; a level-1 sleep with a request in flight
 and a wake by tags; pause with mode keep and resume; the operations' duration metrics. Default
 model, float32."""
@@ -48,6 +49,8 @@ def test_an_rl_trainer_drives_a_dp2_server(monkeypatch, hf_model_and_tokenizer):
             "world_size": 1}
         first = answers(http)
         assert first[0] == first[1]
+        baseline = http.post("/weight_checker", json={"action": "checksum"}).json()["checksums"]
+        assert len(baseline) == 2 * len(dict(hf_model_and_tokenizer[0].named_parameters()))
 
         init_info = {"master_address": "127.0.0.1", "master_port": free_port(),
                      "rank_offset": 1, "world_size": 3}
@@ -70,11 +73,17 @@ def test_an_rl_trainer_drives_a_dp2_server(monkeypatch, hf_model_and_tokenizer):
             assert http.get("/weight_info").json() == {"weight_version": version}
             return answers(http)
 
-        second, third = update(perturbed(original, 1), "step-1"), update(perturbed(original, 2),
-                                                                          "step-2")
+        second = update(perturbed(original, 1), "step-1")
+        # vLLM's weight checker: the update changed that tensor on both ranks, and nothing else.
+        assert http.post("/weight_checker", json={"action": "compare", "baseline": baseline}
+                         ).json() == {"match": False, "mismatches": [
+                             f"dp{rank}:pp0:pcp0:tp0:{NAME}" for rank in range(2)]}
+        third = update(perturbed(original, 2), "step-2")
         assert second[0] == second[1] != first[0]
         assert third[0] == third[1] not in (first[0], second[0])
         assert update(original, "step-3") == first
+        assert http.post("/weight_checker", json={"action": "compare", "baseline": baseline}
+                         ).json() == {"match": True, "mismatches": []}
         assert http.post("/update_weight_version", json={"new_version": "v4"}).json() == {
             "success": True, "new_version": "v4"}
         assert http.get("/weight_info").json() == {"weight_version": "v4"}
