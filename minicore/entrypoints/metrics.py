@@ -10,7 +10,8 @@ with the engine's QUEUED/SCHEDULED events and frame timestamps), recorded by Out
 hooks as each engine frame is processed, as vLLM's IterationStats (so a slow reader does not skew
 them). Process and Python collectors (process_*, python_*) are on the registry, as on vLLM's.
 With --speculative-config, the spec_decode_* counters and the SpecDecoding line join them
-(spec_decode_metrics.py).
+(spec_decode_metrics.py); the dev routes time their sleep-mode and weight-transfer operations
+(OperationMetrics). Counters and histograms keep prometheus_client's *_created series, as vLLM's.
 
 The prefix (--metrics-prefix) is `vllm` by default, so vLLM's Grafana dashboard, aiperf's server
 metrics views and alerts written for vLLM read minicore unchanged; a fleet that scrapes both
