@@ -15,7 +15,9 @@ trainer, packed (bucketed) tensors.
 """
 
 import socket
+import threading
 from collections.abc import Iterable
+from concurrent.futures import Future
 from datetime import timedelta
 
 import torch
@@ -71,10 +73,22 @@ def trainer_init(init_info: dict, timeout: timedelta = DEFAULT_TIMEOUT) -> Weigh
     return WeightTransferGroup(init_info, 0, timeout)
 
 
-def join_as_engine(init_info: dict, dp_rank: int) -> WeightTransferGroup:
-    """DP engine dp_rank's end: rank init_info["rank_offset"] (default 1) + dp_rank."""
-    offset = init_info.get("rank_offset", 1) if isinstance(init_info, dict) else 1
-    return WeightTransferGroup(init_info, offset + dp_rank)
+def join_as_engine(init_info: dict, dp_rank: int) -> Future:
+    """DP engine dp_rank's end, rank init_info["rank_offset"] (default 1) + dp_rank: a future of
+    the group, joined on a thread of its own. Joining waits for every rank, and meanwhile the
+    engine's forward thread must stay free: a DP rank may be waiting there, in a collective of
+    the DP group, for a peer that has not reached the join yet. A bad init_info is refused now."""
+    _parse_init_info(init_info)
+    rank = init_info.get("rank_offset", 1) + dp_rank
+    future: Future = Future()
+
+    def join() -> None:
+        try:
+            future.set_result(WeightTransferGroup(init_info, rank))
+        except BaseException as e:  # the update that waits for it reports it
+            future.set_exception(e)
+    threading.Thread(target=join, name="weight-transfer-join", daemon=True).start()
+    return future
 
 
 def _parse_init_info(init_info) -> tuple[str, int, int]:

@@ -223,9 +223,9 @@ class AsyncLLM:
         return all(await self.call_utility_all("reset_prefix_cache", reset_running_requests))
 
     async def init_weight_transfer_engine(self, init_info: dict) -> None:
-        """Every engine's runner joins the trainer's weight transfer group, through
+        """Every engine's runner starts joining the trainer's weight transfer group, through
         collective_rpc as vLLM's workers do (minicore/dp/weight_transfer.py: engine i as rank
-        init_info["rank_offset"] + i); returns once all have."""
+        init_info["rank_offset"] + i); the trainer's trainer_init returns once all have."""
         await self.collective_rpc("init_weight_transfer_engine", args=(init_info,))
 
     async def shutdown_weight_transfer_engine(self) -> None:

@@ -88,7 +88,7 @@ class ModelRunner(ModelRunnerBase):
         self.forward_hidden = plain or self._transformers_forward
         self.lm_head = model.get_output_embeddings()
         self.num_blocks = self._determine_num_blocks()
-        # The trainer's weight transfer group (minicore/dp/weight_transfer.py), once joined.
+        # A future of the trainer's weight transfer group (minicore/dp/weight_transfer.py).
         self.weight_transfer = None
         self.init_kv_cache()
         self.logprobs = LogprobsOutput(self.vocab_size, self._logits)
@@ -128,7 +128,8 @@ class ModelRunner(ModelRunnerBase):
         return sleep_mode.update_weights(self, update_info)
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
-        """Join the trainer's group as rank rank_offset + this engine's DP rank."""
+        """Start joining the trainer's group as rank rank_offset + this engine's DP rank (on a
+        thread of its own: weight_transfer.join_as_engine)."""
         self.weight_transfer = join_as_engine(init_info,
                                               self.config.parallel_config.data_parallel_rank)
 

@@ -22,6 +22,9 @@ from minicore.model.cpu_memory import release_freed_memory
 
 logger = logging.getLogger(__name__)
 
+# How long an update waits for the engine's end of the weight transfer group to be joined.
+WEIGHT_TRANSFER_JOIN_TIMEOUT_S = 300
+
 
 def check_can_sleep(runner, level: int) -> None:
     """ValueError if level 2's weights could not come back."""
@@ -101,11 +104,14 @@ def update_weights(runner, update_info: dict) -> int:
     """POST /update_weights on the runner: update_info {"path": ...} is load_weights', {"names",
     "dtype_names", "shapes"} announces the tensors the trainer broadcasts over the runner's
     weight transfer group (minicore/dp/weight_transfer.py), all received before any is checked,
-    so that the group stays in step whatever happens here."""
+    so that the group stays in step whatever happens here. Send updates while generation is
+    paused (as RL frameworks do): the receive holds the forward thread, which a DP rank's
+    collectives need while it runs."""
     if isinstance(update_info, dict) and "names" in update_info:
         if runner.weight_transfer is None:
             raise ValueError("no weight transfer group: call init_weight_transfer_engine first")
-        named = runner.weight_transfer.receive(update_info)
+        # Joined by now unless the trainer never came (its own join waits for every rank).
+        named = runner.weight_transfer.result(WEIGHT_TRANSFER_JOIN_TIMEOUT_S).receive(update_info)
         _check_fit(runner, ((name, tuple(t.shape)) for name, t in named))
         count = _copy_in(runner, named)
         logger.info("loaded %d tensors in place from the trainer", count)

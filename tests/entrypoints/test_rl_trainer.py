@@ -54,10 +54,12 @@ def test_an_rl_trainer_drives_a_dp2_server(monkeypatch, hf_model_and_tokenizer):
 
         init_info = {"master_address": "127.0.0.1", "master_port": free_port(),
                      "rank_offset": 1, "world_size": 3}
-        joined = pool.submit(http.post, "/init_weight_transfer_engine",
-                             json={"init_info": init_info})
+        assert http.post("/init_weight_transfer_engine", json={"init_info": init_info}).json(
+            ) == {"message": "Weight transfer initialized"}
+        # The engines join on threads of their own: they serve (their DP ranks stepping together)
+        # while the trainer has not joined yet.
+        assert answers(http) == first
         group = trainer_init(init_info)
-        assert joined.result().json() == {"message": "Weight transfer initialized"}
 
         def update(tensor: torch.Tensor, version: str) -> list[str]:
             named = [(NAME, tensor)]
