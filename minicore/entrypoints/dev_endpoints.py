@@ -10,15 +10,21 @@ answers are vLLM 0.32's: /sleep {"status": "sleeping", "level": N} (level 0 only
 {"status": "awake", "tags": [...]} ("scheduling" among the tags), /is_sleeping true while paused.
 Bad arguments are a 400 with an OpenAI error body, a failure in an engine a 500. The weight
 transfer engine is a gloo group with the trainer (minicore/dp/weight_transfer.py). Left out: NCCL
-and IPC transfers, /start_draft_weight_update (no draft models), /release_kv_cache_memory.
+and IPC transfers, /start_draft_weight_update (no draft models), /release_kv_cache_memory, the
+system survey in /server_info's system_env (vLLM's collect_env).
 """
 
+import dataclasses
+import json
 import os
+import platform
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, FastAPI, Query
 
+import minicore
 from minicore.engine.async_llm import AsyncLLM
 from minicore.engine.control import PauseMode
 from minicore.entrypoints.metrics import OperationMetrics, ServerMetrics
@@ -50,6 +56,7 @@ def attach_dev_routes(app: FastAPI, client: AsyncLLM, metrics: ServerMetrics) ->
     _add_worker_routes(router, client)
     _add_weight_routes(router, client, metrics.weight_operations)
     _add_weight_checker(router, client)
+    _add_server_info(router, client)
     app.include_router(router)
     return frozenset(route.path for route in router.routes)
 
@@ -177,3 +184,19 @@ def _add_weight_checker(app: APIRouter, client: AsyncLLM) -> None:
         mismatches = sorted(k for k in checksums.keys() | baseline.keys()
                             if checksums.get(k) != baseline.get(k))
         return json_response({"match": not mismatches, "mismatches": mismatches})
+
+
+def _add_server_info(app: APIRouter, client: AsyncLLM) -> None:
+    @app.get("/server_info")
+    async def server_info(config_format: Literal["text", "json"] = "text"):
+        """vLLM's: the engine config (its repr, or as JSON), the VLLM_* and MINICORE_*
+        environment variables (none holding a key), and the versions that made the answer."""
+        config = client.config
+        env = {k: v for k, v in os.environ.items()
+               if k.startswith(("VLLM_", "MINICORE_")) and "KEY" not in k}
+        return json_response({
+            "vllm_config": str(config) if config_format == "text"
+            else json.loads(json.dumps(dataclasses.asdict(config), default=str)),
+            "vllm_env": env,
+            "system_env": {"minicore": minicore.__version__, "python": sys.version.split()[0],
+                           "platform": platform.platform()}})

@@ -41,7 +41,8 @@ DEV_ROUTES = [("post", "/sleep"), ("post", "/wake_up"), ("get", "/is_sleeping"),
               ("post", "/update_weights"), ("post", "/finish_weight_update"),
               ("get", "/weight_info"), ("post", "/init_weight_transfer_engine"),
               ("post", "/shutdown_weight_transfer_engine"), ("post", "/update_weight_version"),
-              ("get", "/get_world_size"), ("post", "/abort_requests"), ("post", "/weight_checker")]
+              ("get", "/get_world_size"), ("post", "/abort_requests"), ("post", "/weight_checker"),
+              ("get", "/server_info")]
 API_KEY = "dev-secret"
 
 
@@ -103,6 +104,12 @@ def test_the_dev_endpoints_drive_the_engine(monkeypatch, tmp_path):
 
         rpc = http.post("/collective_rpc", json={"method": "check_can_sleep", "args": [1]})
         assert rpc.json() == {"results": [None]}
+        # vLLM's /server_info: the config as text or JSON, the environment's switches.
+        info = http.get("/server_info").json()
+        assert "EngineConfig(" in info["vllm_config"] and info["vllm_env"][
+            "VLLM_SERVER_DEV_MODE"] == "1" and info["system_env"]["minicore"]
+        as_json = http.get("/server_info", params={"config_format": "json"}).json()
+        assert as_json["vllm_config"]["model_config"]["runner"] == "simulated"
         assert http.post("/start_weight_update").json() == {"message": "Weight update started"}
         assert http.post("/finish_weight_update", json={"weight_version": "step-3"}).json() == {
             "message": "Weight update finished"}
