@@ -94,10 +94,8 @@ def load_weights(runner, path: str) -> int:
         raise ValueError(f"load_weights: no safetensors file at {path!r}")
     handles = [safe_open(f, framework="pt") for f in files]
     shapes = {name: tuple(h.get_slice(name).get_shape()) for h in handles for name in h.keys()}
-    _check_fit(runner, shapes.items())
-    count = _copy_in(runner, ((name, h.get_tensor(name)) for h in handles for name in h.keys()))
-    logger.info("loaded %d tensors in place from %s", count, path)
-    return count
+    return _load_checked(runner, shapes.items(),
+                         ((name, h.get_tensor(name)) for h in handles for name in h.keys()), path)
 
 
 def update_weights(runner, update_info: dict) -> int:
@@ -112,10 +110,8 @@ def update_weights(runner, update_info: dict) -> int:
             raise ValueError("no weight transfer group: call init_weight_transfer_engine first")
         # Joined by now unless the trainer never came (its own join waits for every rank).
         named = runner.weight_transfer.result(WEIGHT_TRANSFER_JOIN_TIMEOUT_S).receive(update_info)
-        _check_fit(runner, ((name, tuple(t.shape)) for name, t in named))
-        count = _copy_in(runner, named)
-        logger.info("loaded %d tensors in place from the trainer", count)
-        return count
+        return _load_checked(runner, ((name, tuple(t.shape)) for name, t in named), named,
+                             "the trainer")
     if not isinstance(update_info, dict) or not isinstance(update_info.get("path"), str):
         raise ValueError('update_info must be {"path": "<safetensors file or directory>"} or '
                          '{"names": [...], "dtype_names": [...], "shapes": [...]}')
@@ -140,22 +136,21 @@ def reset_weights(runner) -> None:
     runner.bind_weights()
 
 
-def _check_fit(runner, shapes) -> None:
+def _load_checked(runner, shapes, named, source: str) -> int:
+    """Every (name, shape) checked against the model's parameters, then named's tensors copied
+    into them (nothing copied on a mismatch: ValueError naming it); how many."""
     params = dict(runner.model.named_parameters(remove_duplicate=False))
     for name, shape in shapes:
         if name not in params or tuple(params[name].shape) != shape:
             expected = tuple(params[name].shape) if name in params else "no such parameter"
             raise ValueError(f"load_weights: {name} {shape} does not fit the model ({expected})")
-
-
-def _copy_in(runner, named) -> int:
-    params = dict(runner.model.named_parameters(remove_duplicate=False))
     count = 0
     with torch.no_grad():
         for name, tensor in named:
             params[name].copy_(tensor)
             count += 1
     runner.bind_weights()
+    logger.info("loaded %d tensors in place from %s", count, source)
     return count
 
 
