@@ -57,8 +57,9 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "--tool-parser-plugin registers")
     parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
                         help="split a thinking model's output at </think>: its reasoning in "
-                             "message.reasoning (and delta.reasoning), the rest the content, as "
-                             "vLLM's")
+                             "message.reasoning (and delta.reasoning), the rest the content; a "
+                             "request's structured output constrains only what follows </think>, "
+                             "as vLLM's")
     parser.add_argument("--tool-parser-plugin", metavar="FILE",
                         help="a Python file that registers a tool parser "
                              "(@ToolParserManager.register_module(name), from "
@@ -142,7 +143,8 @@ def _serve(args: argparse.Namespace) -> None:
     if args.tool_call_parser and args.tool_call_parser not in ToolParserManager.list_registered():
         raise ValueError(f"--tool-call-parser {args.tool_call_parser!r} is not a tool parser; "
                          f"they are {', '.join(ToolParserManager.list_registered())}")
-    config = create_engine_config(**engine_kwargs_from_cli(args))
+    config = create_engine_config(**engine_kwargs_from_cli(args),
+                                  reasoning_parser=args.reasoning_parser)
     check_local_paths(config)
     if config.parallel_config.data_parallel_backend == "ray" and not find_spec("ray"):
         raise ValueError("--data-parallel-backend ray needs Ray: pip install 'minicore[ray]'")

@@ -10,7 +10,7 @@ run time get no flag: cache_config.num_blocks (EngineCore, once its runner has s
 and parallel_config.data_parallel_rank (each engine process, for its own rank).
 """
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
 from minicore.arg_utils import (
@@ -259,16 +259,20 @@ SUB_CONFIGS = (("model_config", ModelConfig, "model"),
 
 def create_engine_config(**kwargs) -> EngineConfig:
     """Build an EngineConfig from flat keyword arguments (vLLM's EngineArgs names), each routed to
-    the sub-config that has a field of that name. scheduling_policy is vLLM's name for policy."""
+    the sub-config that has a field of that name. scheduling_policy is vLLM's name for policy;
+    reasoning_parser goes into structured_outputs_config, as vLLM's."""
     if "scheduling_policy" in kwargs:
         kwargs["policy"] = kwargs.pop("scheduling_policy")
     parts = {"kv_transfer_config": kwargs.pop("kv_transfer_config", None)}
     if (speculative := kwargs.pop("speculative_config", None)) is not None:
         parts["speculative_config"] = config_record(SpeculativeConfig, speculative,
                                                     "speculative_config")
-    if (structured := kwargs.pop("structured_outputs_config", None)) is not None:
-        parts["structured_outputs_config"] = config_record(StructuredOutputsConfig, structured,
-                                                           "structured_outputs_config")
+    structured = config_record(StructuredOutputsConfig,
+                               kwargs.pop("structured_outputs_config", None) or {},
+                               "structured_outputs_config")
+    if reasoning_parser := kwargs.pop("reasoning_parser", None):  # vLLM's EngineArgs sets it so
+        structured = replace(structured, reasoning_parser=reasoning_parser)
+    parts["structured_outputs_config"] = structured
     for name, cls, _ in SUB_CONFIGS:
         names = {f.name for f in fields(cls)}
         parts[name] = cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})

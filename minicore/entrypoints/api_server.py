@@ -310,6 +310,7 @@ async def _serve(config: EngineConfig, args, sock: socket.socket, client: AsyncL
     """Serve HTTP on sock until SIGTERM/SIGINT; the engine is stopped at the end."""
     try:
         model_names = args.served_model_name or [client.model_name]
+        so_config = config.structured_outputs_config
         num_engines = config.parallel_config.data_parallel_size
         metrics = ServerMetrics(model_names[0], num_engines, lambda: client.latest_stats,
                                 prefix=args.metrics_prefix, config=config,
@@ -323,7 +324,7 @@ async def _serve(config: EngineConfig, args, sock: socket.socket, client: AsyncL
                                 args.return_tokens_as_token_ids,
                                 enable_auto_tools=args.enable_auto_tool_choice,
                                 tool_parser=args.tool_call_parser,
-                                reasoning_parser=args.reasoning_parser)
+                                reasoning_parser=so_config.reasoning_parser or None)
         limits = http_limits(args, serving.max_model_len)
         app = build_app(client, serving, metrics, args.api_key, not args.disable_log_stats,
                         args.enable_server_load_tracking, limits)

@@ -9,8 +9,8 @@ content, which the tool call parser then reads. deepseek_r1 takes everything bef
 reasoning, <think> or not (DeepSeek-R1's template writes it into the prompt), and all of an output
 without </think>; qwen3 needs both tags, else the whole output is content. Streamed, the output so
 far is split again at each delta and what is new of each part goes out, a partial tag held back.
-Left out: structured outputs applied only once the reasoning ends (a grammar here constrains the
-whole output), token-id based detection.
+A request's grammar starts once its reasoning ends (minicore/structured_output/reasoning.py).
+Left out: token-id based detection.
 """
 
 from dataclasses import dataclass

@@ -3,11 +3,10 @@
 Mirrors vllm/config/structured_outputs.py (StructuredOutputsConfig), with its JSON flag. minicore
 has one backend, xgrammar (vLLM's default under "auto"; chosen by measurement, docs/BENCHMARKS.md),
 so "auto" means xgrammar and vLLM's other backends are refused by name, as are the settings that
-only they read (disable_additional_properties is guidance's) and reasoning parsers. Adds the
-bounds on a request's grammar (max_grammar_nesting, max_grammar_bytes) and on the whitespace a
-JSON output may run (max_whitespace_cnt, on by default: where minicore differs from vLLM). Pure
-Python:
-minicore.config imports it.
+only they read (disable_additional_properties is guidance's). reasoning_parser is set by
+--reasoning-parser, as vLLM's. Adds the bounds on a request's grammar (max_grammar_nesting,
+max_grammar_bytes) and on the whitespace a JSON output may run (max_whitespace_cnt, on by default:
+where minicore differs from vLLM). Pure Python: minicore.config imports it.
 """
 
 from dataclasses import dataclass
@@ -31,6 +30,8 @@ class StructuredOutputsConfig:
     # measurement (docs/BENCHMARKS.md): the indentation of nested JSON fits it.
     max_whitespace_cnt: int | None = DEFAULT_MAX_WHITESPACE
     disable_additional_properties: bool = False
+    # A thinking model's parser (--reasoning-parser): a request's grammar starts once its
+    # reasoning has ended, unless enable_in_reasoning.
     reasoning_parser: str = ""
     enable_in_reasoning: bool = False
     # minicore's bounds on what a request's grammar may be before xgrammar sees it (params.py).
@@ -60,6 +61,9 @@ class StructuredOutputsConfig:
         if self.disable_additional_properties:
             raise ValueError("structured_outputs_config: disable_additional_properties is only "
                              "supported by vLLM's guidance backend, which minicore does not have")
-        if self.reasoning_parser or self.enable_in_reasoning:
-            raise ValueError("structured_outputs_config: reasoning parsers are not supported by "
-                             "minicore")
+        if self.reasoning_parser:
+            from minicore.entrypoints.reasoning import REASONING_PARSERS
+
+            if self.reasoning_parser not in REASONING_PARSERS:
+                raise ValueError(f"reasoning_parser {self.reasoning_parser!r} is not a reasoning "
+                                 f"parser; they are {', '.join(sorted(REASONING_PARSERS))}")

@@ -15,7 +15,8 @@ its drafts, then rolled back); with async scheduling a step scheduled before the
 is back has its bitmask filled when the update brings that token, while its forward runs (the
 runner waits for it before it samples). With both, the drafts are the runner's, which it proposed
 when it sampled that token and sends back with it (ModelRunnerOutput.draft_token_ids). Left out:
-the guidance and outlines backends, reasoning parsers.
+the guidance and outlines backends. With --reasoning-parser a grammar starts where the reasoning
+ends (minicore/structured_output/reasoning.py).
 """
 
 import logging
@@ -33,6 +34,13 @@ from minicore.scheduler.interfaces import NO_STRUCTURED_OUTPUT
 from minicore.scheduler.output import SchedulerOutput
 from minicore.scheduler.structured_output import SkipsUncompiled
 from minicore.structured_output.params import build_grammar
+from minicore.structured_output.reasoning import (
+    NO_REASONING,
+    NoReasoning,
+    ReasoningEnd,
+    ReasoningGate,
+    make_reasoning_gate,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +56,8 @@ class StructuredOutputRequest:
     """A request's constraint, its compiled grammar (a future until compiled) and its matcher."""
     params: StructuredOutputsParams
     compiled: Future
+    # Until it ends, the grammar leaves the output free (--reasoning-parser).
+    reasoning: ReasoningEnd
     matcher: object = None
     # Async scheduling with drafts: what the runner proposed for the request's next step.
     proposals: list[int] = ()
@@ -84,9 +94,11 @@ class CompiledGrammarCache:
 class StructuredOutputManager(SkipsUncompiled):
     def __init__(self, tokenizer, vocab_size: int, disable_any_whitespace: bool = False,
                  cache_limit_bytes: int = DEFAULT_CACHE_MB << 20,
-                 max_whitespace_cnt: int | None = None, runner_drafts: bool = False):
+                 max_whitespace_cnt: int | None = None, runner_drafts: bool = False,
+                 reasoning: NoReasoning | ReasoningGate = NO_REASONING):
         """runner_drafts: the runner proposes the drafts (async scheduling with drafts), so a
-        step's scheduled drafts are placeholders for its proposals."""
+        step's scheduled drafts are placeholders for its proposals. reasoning: where each
+        request's grammar starts (minicore/structured_output/reasoning.py)."""
         super().__init__()
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -107,6 +119,7 @@ class StructuredOutputManager(SkipsUncompiled):
         # with the structured requests they scheduled: their bitmasks wait for those tokens.
         self._pending: list[tuple[SchedulerOutput, dict[str, Request]]] = []
         self._draft_ids = _proposed_drafts if runner_drafts else _scheduled_drafts
+        self.reasoning = reasoning
         self.scheduler_side = self
 
     def grammar_init(self, request: Request) -> None:
@@ -120,7 +133,8 @@ class StructuredOutputManager(SkipsUncompiled):
         executor = (self.executor_small if len(key[1]) <= SMALL_GRAMMAR_CHARS
                     else self.executor_large)
         request.structured_output_request = StructuredOutputRequest(
-            params, executor.submit(self._compile, params, key))
+            params, executor.submit(self._compile, params, key),
+            self.reasoning.for_request(request.prompt_token_ids))
         request.status = RequestStatus.WAITING_FOR_FSM
         self._compiling.append(request)
         self._structured.append(request)
@@ -215,7 +229,8 @@ class StructuredOutputManager(SkipsUncompiled):
             # A grammar ends on its stop token; a request that goes on past it (ignore_eos, or a
             # stop token the request does not stop on) is free from then on, as in vLLM.
             draft_ids = self._draft_ids(drafts.get(req_id, ()), so_request)
-            for row, token_id in enumerate([*draft_ids, None]):
+            free = so_request.reasoning.num_free(draft_ids)  # rows still in the reasoning
+            for row, token_id in enumerate([*draft_ids, None][free:], free):
                 if matcher.is_terminated():
                     break
                 matcher.fill_next_token_bitmask(bitmask, first + row)
@@ -251,7 +266,8 @@ class StructuredOutputManager(SkipsUncompiled):
             so_request = requests[output.request_id].structured_output_request
             if so_request is None or so_request.matcher.is_terminated():
                 continue
-            for token_id in output.new_token_ids:
+            tokens = output.new_token_ids
+            for token_id in tokens[so_request.reasoning.consume(tokens):]:
                 if not so_request.matcher.accept_token(token_id):
                     logger.error("request %r: the grammar refused token %d", output.request_id,
                                  token_id)
@@ -302,9 +318,11 @@ def make_structured_output_manager(config, model_runner, has_logits: bool):
     so_config = config.structured_outputs_config
     runner_drafts = (config.speculative_config is not None
                      and config.scheduler_config.async_scheduling)
-    return StructuredOutputManager(model_runner.tokenizer, model_runner.vocab_size,
+    tokenizer = model_runner.tokenizer
+    return StructuredOutputManager(tokenizer, model_runner.vocab_size,
                                    so_config.disable_any_whitespace, cache_limit_mb() << 20,
-                                   so_config.max_whitespace_cnt, runner_drafts)
+                                   so_config.max_whitespace_cnt, runner_drafts,
+                                   make_reasoning_gate(so_config, tokenizer))
 
 
 def _tokens_in_flight(scheduler_output: SchedulerOutput, scheduled: dict[str, Request]) -> bool:

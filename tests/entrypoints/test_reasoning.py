@@ -1,10 +1,11 @@
 """--reasoning-parser deepseek_r1 / qwen3 (minicore/entrypoints/reasoning.py): a thinking model's
 output split at </think> into message.reasoning and the content, whole and streamed in pieces of
 any size (the deltas joined give the same split), include_reasoning false leaving the reasoning
-out; and served, on the default model forced by a regex to think first: the same split in the
-response and in the stream."""
+out; and served, on the default model thinking by itself: the same split in the response and in
+the stream, a regex constraining only the answer."""
 
 import json
+import re
 
 import httpx
 import pytest
@@ -50,15 +51,21 @@ def test_streamed_in_pieces(name, output, reasoning, content, piece):
 
 
 def test_served_the_reasoning_comes_apart_from_the_content():
-    regex = r"<think>[a-z ]{8,40}</think>[A-Z][a-z]{2,12}\."
+    # The default model, continuing a pattern it was shown twice, thinks and closes the tag by
+    # itself; the regex constrains only the answer after it (structured outputs after the
+    # reasoning, as vLLM's), which without the gate would have been all of it.
+    answer = r'\{"colour": "(red|blue)"\}'
+    shown = ('Q: colour? <think>Let me think.</think>{"colour": "red"}\nQ: colour? <think>Let '
+             'me think.</think>{"colour": "blue"}\nQ: colour? <think>Let me')
     with ServerProcess("--max-model-len", "512", "--kv-cache-memory", str(64 << 20),
                        "--reasoning-parser", "deepseek_r1") as server, \
             httpx.Client(base_url=server.url, timeout=120) as http:
-        body = {"messages": [{"role": "user", "content": "What is the capital of France?"}],
-                "max_tokens": 64, "temperature": 0, "structured_outputs": {"regex": regex}}
+        body = {"messages": [{"role": "user", "content": "Pick a colour."},
+                             {"role": "assistant", "content": shown}],
+                "add_generation_prompt": False, "continue_final_message": True,
+                "max_tokens": 64, "temperature": 0, "structured_outputs": {"regex": answer}}
         message = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
-        assert message["reasoning"] and message["content"][0].isupper()
-        assert "<think>" not in message["reasoning"] + message["content"]
+        assert message["reasoning"] == " think." and re.fullmatch(answer, message["content"])
         joined = {"reasoning": "", "content": ""}
         with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
             for line in r.iter_lines():

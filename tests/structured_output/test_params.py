@@ -66,7 +66,7 @@ def test_choices_are_quoted_into_an_alternation():
     ({"backend": "guidance"}, "backend 'guidance' is not available in minicore"),
     ({"backend": "nope"}, "backend 'nope' is unknown"),
     ({"disable_additional_properties": True}, "only supported by vLLM's guidance backend"),
-    ({"reasoning_parser": "deepseek_r1"}, "reasoning parsers are not supported"),
+    ({"reasoning_parser": "granite"}, "'granite' is not a reasoning parser"),
     ({"disable_any_whitespace": "yes"}, "must be true or false"),
     ('{"backnd": "auto"}', "unknown key"),
 ])
