@@ -242,13 +242,19 @@ class LLM:
         from the model directory on wake-up); level 0 only pauses (the "scheduling" tag)."""
         self.llm_engine.sleep(level, mode)
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> bool:
         """Bring back "weights", "kv_cache" and/or "scheduling" (None: all); generation resumes
-        once all are."""
+        once all the memory is. Whether it has (vLLM's fully_awake)."""
         self.llm_engine.wake_up(tags)
+        return not self.is_sleeping()
 
     def is_sleeping(self) -> bool:
         return self.llm_engine.is_sleeping()
+
+    def release_kv_cache_memory(self) -> None:
+        """Free the KV cache's memory after sleep(level=0) (or pause_generation) with nothing
+        kept; wake_up(["kv_cache"]) brings it back."""
+        self.llm_engine.release_kv_cache_memory()
 
     def pause_generation(self, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
         """Hold the scheduler (generate raises until resume_generation). Between generate calls

@@ -210,6 +210,11 @@ class AsyncLLM:
     async def is_sleeping(self) -> bool:
         return any(await self.call_utility_all("is_sleeping"))
 
+    async def release_kv_cache_memory(self) -> None:
+        """Free every engine's KV cache memory, once a pause has completed with no request kept;
+        wake_up(["kv_cache"]) brings it back and resumes generation (vLLM 0.32)."""
+        await self.call_utility_all("release_kv_cache_memory")
+
     async def collective_rpc(self, method: str | Callable, timeout: float | None = None,
                              args: tuple = (), kwargs: dict | None = None) -> list:
         """Run method on every worker of every engine (a name of the runner's public methods,
@@ -233,6 +238,11 @@ class AsyncLLM:
 
     async def start_weight_update(self) -> None:
         await self.call_utility_all("start_weight_update")
+
+    async def start_draft_weight_update(self) -> None:
+        """vLLM's weight update of a draft model: minicore's drafts (ngram) have no weights."""
+        raise ValueError("Draft model weight update requested, but no draft model is configured "
+                         "(minicore's drafts are ngram's, without weights)")
 
     async def update_weights(self, update_info: dict) -> None:
         """Every engine loads new weights in place, between start_weight_update and

@@ -1,17 +1,14 @@
 """The engine's control plane: what a frontend calls on an engine by name, as RL and colocation
 users drive vLLM (sleep and wake up, pause and resume, collective_rpc, the weight update).
 
-Mirrors the utility methods of EngineCore in vllm/v1/engine/core.py (sleep, wake_up, is_sleeping,
-pause_scheduler, resume_scheduler, is_scheduler_paused, collective_rpc, reset_prefix_cache,
-start_weight_update / update_weights / finish_weight_update, get_weight_version) and
-EngineCoreProc's UTILITY handling (the result or the error goes back as a UtilityOutput; a method
-may finish later, when the engine is idle; vLLM's _convert_msgspec_args has nothing to convert:
-no method here takes a msgspec Struct). EngineControl is mixed into EngineCore; ProcControl into
-EngineCoreProc, where "idle" is the busy loop's (a DP rank's: its wave ended on every rank).
+Mirrors the utility methods of EngineCore in vllm/v1/engine/core.py (sleep, pause, the weight
+update and their kin, under vLLM's names) and EngineCoreProc's UTILITY handling (the result or
+the error goes back as a UtilityOutput; a method may finish later, when the engine is idle;
+vLLM's _convert_msgspec_args has nothing to convert: no method takes a Struct). EngineControl
+is mixed into EngineCore; ProcControl into EngineCoreProc, where "idle" is the busy loop's (a DP
+rank's: its wave ended on every rank).
 The guarded surface: a UTILITY message may name only the public methods of EngineControl
-(UTILITY_METHODS), and collective_rpc only the runner's public methods that leave the engine's
-own state alone (not ENGINE_OWNED: sleep, KV cache, weights, forwards), or a pickled callable
-where MINICORE_ALLOW_INSECURE_SERIALIZATION=1 (vLLM's VLLM_ALLOW_INSECURE_SERIALIZATION).
+(UTILITY_METHODS), and collective_rpc only what minicore/engine/worker_rpc.py lets through.
 Left out: LoRA, profiling, elastic scaling, NCCL/IPC weight transfer (the runner's group is
 gloo's: minicore/dp/weight_transfer.py).
 """
@@ -19,13 +16,13 @@ gloo's: minicore/dp/weight_transfer.py).
 import asyncio
 import inspect
 import logging
-import os
 from collections.abc import Callable
 from functools import partial
 from typing import Any, Literal
 
 import msgspec
 
+from minicore.engine.worker_rpc import resolve_worker_call
 from minicore.protocol import EngineCoreOutput, FinishReason, UtilityOutput
 
 logger = logging.getLogger(__name__)
@@ -36,9 +33,6 @@ PAUSE_MODES = ("abort", "wait", "keep")
 # a level-0 sleep, which only pauses scheduling (vLLM 0.32).
 SLEEP_TAGS = ("weights", "kv_cache")
 WAKE_TAGS = (*SLEEP_TAGS, "scheduling")
-INSECURE_SERIALIZATION_ENV = "MINICORE_ALLOW_INSECURE_SERIALIZATION"
-# The msgpack extension code of a pickled callable (collective_rpc's method) on the wire.
-PICKLED_CALLABLE_EXT = 1
 
 
 def check_pause_mode(mode) -> None:
@@ -139,10 +133,23 @@ class EngineControl:
         release = partial(self.model_runner.sleep, level)
         return self._then(self._on_forward_thread(release, None), lambda: None)
 
+    def release_kv_cache_memory(self):
+        """Free the KV cache's memory (vLLM 0.32), once a pause has completed with no request
+        kept: wake_up(["kv_cache"]) brings it back and resumes scheduling."""
+        if not self.is_scheduler_paused() or self.scheduler.requests:
+            raise ValueError("release_kv_cache_memory needs a completed pause with no request "
+                             "kept first (POST /pause or /sleep?level=0, mode abort or wait)")
+        if self.sleeping_tags & set(SLEEP_TAGS):
+            raise ValueError("release_kv_cache_memory needs the engine's memory resident: it "
+                             "is asleep")
+        self.reset_prefix_cache()
+        self.sleeping_tags |= {"kv_cache"}
+        return self._on_forward_thread(partial(self.model_runner.sleep, 0), None)
+
     def wake_up(self, tags: list[str] | None = None):
         """Bring back what tags name ("weights", "kv_cache", "scheduling": a level-0 sleep; None:
-        all); once all is back, scheduling resumes (vLLM's rule), a pause's too. A sleep still
-        pausing is called off."""
+        all); once the memory is all back, scheduling resumes (vLLM's rule), a pause's too. A
+        sleep still pausing is called off."""
         waking = sorted(self.sleeping_tags & set(wake_tags(tags)))
         self._pending_sleep = None
         # On the runner's thread: reloading a model's weights may take a while.
@@ -152,8 +159,8 @@ class EngineControl:
 
     def _woken(self, tags: list[str]) -> None:
         self.sleeping_tags -= set(tags)
-        if not self.sleeping_tags:
-            self.sleep_level = 0
+        if not self.sleeping_tags & set(SLEEP_TAGS):
+            self.sleep_level, self.sleeping_tags = 0, frozenset()
             self.resume_scheduler()
 
     def is_sleeping(self) -> bool:
@@ -329,68 +336,3 @@ def call_utility(engine: EngineControl, method: str, args: list | tuple):
     except TypeError as e:
         raise ValueError(f"{method}: {e}") from None
     return bound(*args)
-
-
-def resolve_worker_call(runner, method) -> Callable:
-    """The runner's public method of that name, or method (a callable, or one pickled on the
-    wire) bound to the runner."""
-    if isinstance(method, PickledCallable):
-        method = method.load()
-    if callable(method):
-        return partial(method, runner)
-    if method in ENGINE_OWNED:
-        raise ValueError(f"collective_rpc: {method!r} changes state the engine keeps itself; "
-                         f"{ENGINE_OWNED[method]}")
-    if not isinstance(method, str) or method.startswith("_") or not callable(
-            getattr(runner, method, None)):
-        raise ValueError(f"collective_rpc: the worker has no public method {method!r}")
-    return getattr(runner, method)
-
-
-# The runner's methods whose effects the engine tracks (its KV blocks, its sleep level, its
-# weight version, its step): run behind its back they freed the KV cache or weights under a
-# running batch, or garbled a stream. Each is refused by name, saying what to call instead.
-ENGINE_OWNED = {
-    "sleep": "call the engine's sleep (POST /sleep)",
-    "wake_up": "call the engine's wake_up (POST /wake_up)",
-    "load_weights": "update weights between start_weight_update and finish_weight_update "
-                    "(POST /update_weights)",
-    "update_weights": "update weights between start_weight_update and finish_weight_update "
-                      "(POST /update_weights)",
-    "init_kv_cache": "the engine allocates its KV cache once, at start-up",
-    "bind_weights": "the engine binds its weights itself, at start-up and wake-up",
-    "execute_model": "the engine's busy loop runs every forward",
-    "execute_dummy_batch": "the engine's busy loop runs every forward",
-    "pop_step_time": "the engine reads its step times itself",
-}
-
-
-class PickledCallable:
-    """A callable as it arrived over the socket: unpickled only where the operator allows it."""
-
-    def __init__(self, data: bytes):
-        self.data = data
-
-    def load(self) -> Callable:
-        if os.environ.get(INSECURE_SERIALIZATION_ENV) != "1":
-            raise ValueError(f"collective_rpc got a pickled function, which runs arbitrary code: "
-                             f"set {INSECURE_SERIALIZATION_ENV}=1 to allow it, or name a method")
-        import cloudpickle
-
-        return cloudpickle.loads(self.data)
-
-
-def encode_callable(obj):
-    """The frontend's msgpack enc_hook: a callable (collective_rpc's method) goes pickled."""
-    if callable(obj):
-        import cloudpickle
-
-        return msgspec.msgpack.Ext(PICKLED_CALLABLE_EXT, cloudpickle.dumps(obj))
-    raise NotImplementedError(f"cannot send a {type(obj).__name__} to the engine")
-
-
-def decode_ext(code: int, data: memoryview):
-    """The engine's msgpack ext_hook for UTILITY arguments."""
-    if code != PICKLED_CALLABLE_EXT:
-        raise ValueError(f"unknown msgpack extension {code}")
-    return PickledCallable(bytes(data))

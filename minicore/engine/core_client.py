@@ -35,8 +35,8 @@ import zmq.asyncio
 
 from minicore.config import EngineConfig
 from minicore.dp.coordinator import DPCoordinator, make_watchdog
-from minicore.engine.control import encode_callable
 from minicore.engine.launch import CoreEngineProcManager, wait_for_engine_startup
+from minicore.engine.worker_rpc import encode_callable
 from minicore.protocol import (
     ENGINE_CORE_DEAD,
     EngineCoreOutputs,

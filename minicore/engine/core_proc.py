@@ -26,8 +26,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from minicore.engine.control import ProcControl, decode_ext
+from minicore.engine.control import ProcControl
 from minicore.engine.core import EngineCore
+from minicore.engine.worker_rpc import decode_ext
 from minicore.protocol import (
     ENGINE_CORE_DEAD,
     EngineCoreOutput,

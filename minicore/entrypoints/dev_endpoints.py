@@ -7,11 +7,12 @@ method (minicore/engine/control.py). Whoever reaches the port can stop generatio
 engines' memory and make every engine load any local safetensors file its user may read: mount
 these only where the port is the operator's; with --api-key, every route here needs the key. The
 answers are vLLM 0.32's: /sleep {"status": "sleeping", "level": N} (level 0 only pauses), /wake_up
-{"status": "awake", "tags": [...]} ("scheduling" among the tags), /is_sleeping true while paused.
-Bad arguments are a 400 with an OpenAI error body, a failure in an engine a 500. The weight
-transfer engine is a gloo group with the trainer (minicore/dp/weight_transfer.py). Left out: NCCL
-and IPC transfers, /start_draft_weight_update (no draft models), /release_kv_cache_memory, the
-system survey in /server_info's system_env (vLLM's collect_env).
+{"status": "awake", "tags": [...]} ("scheduling" among the tags), /is_sleeping true while paused,
+/release_kv_cache_memory after a pause. Bad arguments are a 400 with an OpenAI error body, a
+failure in an engine a 500; /start_draft_weight_update is a 400 with vLLM's message (minicore's
+drafts have no weights). The weight transfer engine is a gloo group with the trainer
+(minicore/dp/weight_transfer.py). Left out: NCCL and IPC transfers, the system survey in
+/server_info's system_env (vLLM's collect_env).
 """
 
 import dataclasses
@@ -75,6 +76,12 @@ def _add_sleep_and_pause_routes(app: APIRouter, client: AsyncLLM,
             awake = await _control(client.wake_up(tags or None))
         return json_response({"status": "awake" if awake else "sleeping", "tags": tags or None})
 
+    @app.post("/release_kv_cache_memory")
+    async def release_kv_cache_memory():
+        with operations.record("release_kv_cache_memory"):
+            await _control(client.release_kv_cache_memory())
+        return json_response({"status": "kv_cache_released"})
+
     @app.get("/is_sleeping")
     async def is_sleeping():
         return json_response({"is_sleeping": await _control(client.is_sleeping())})
@@ -124,6 +131,12 @@ def _add_weight_routes(app: APIRouter, client: AsyncLLM, operations: OperationMe
         with operations.record("start"):
             await _control(client.start_weight_update())
         return json_response({"message": "Weight update started"})
+
+    @app.post("/start_draft_weight_update")
+    async def start_draft_weight_update():
+        with operations.record("start_draft"):
+            await _control(client.start_draft_weight_update())
+        return json_response({"message": "Draft weight update started"})
 
     @app.post("/update_weights")
     async def update_weights(update_info: Annotated[dict, Body(embed=True)]):

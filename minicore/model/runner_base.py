@@ -36,7 +36,8 @@ class ModelRunnerInterface(Protocol):
         ...
 
     def sleep(self, level: int) -> None:
-        """Release memory: the KV cache, and at level 2 the weights (EngineControl.sleep)."""
+        """Release memory: the KV cache, and at level 1 and 2 the weights (EngineControl.sleep;
+        level 0, the KV cache alone: release_kv_cache_memory)."""
         ...
 
     def wake_up(self, tags: list[str], level: int) -> None:

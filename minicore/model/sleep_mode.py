@@ -38,13 +38,14 @@ def check_can_sleep(runner, level: int) -> None:
 
 
 def release(runner, level: int) -> None:
+    """The KV cache, and the weights at level 1 and 2 (level 0: release_kv_cache_memory)."""
     runner.kv_caches, runner.decode_attention = [], None
-    for param in runner.model.parameters():
+    for param in runner.model.parameters() if level else ():
         if level == 2:
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         elif param.device.type == "cuda":
             param.data = param.data.to("cpu").pin_memory()
-    runner.released = {"weights", "kv_cache"}
+    runner.released = {"weights", "kv_cache"} if level else {"kv_cache"}
     # A DP rank asleep may still be woken for a wave a peer started before the pause reached it
     # (a request for a wave that had ended): its dummy batches then run nothing, which keeps its
     # collectives in step with the peers' (all of them, but with expert parallelism).

@@ -10,13 +10,9 @@ from safetensors.torch import save_file
 
 from minicore.config import create_engine_config
 from minicore.engine.components import make_engine_core
-from minicore.engine.control import (
-    UTILITY_METHODS,
-    PickledCallable,
-    call_utility,
-    encode_callable,
-)
+from minicore.engine.control import UTILITY_METHODS, call_utility
 from minicore.engine.core import EngineCore
+from minicore.engine.worker_rpc import PickledCallable, encode_callable
 from minicore.llm import LLM
 from minicore.request import Request
 from minicore.sampling_params import SamplingParams
@@ -203,6 +199,27 @@ def test_sleep_releases_the_kv_cache_and_at_level_2_the_weights(llm, level):
     assert greedy(llm) == before
     llm.wake_up()  # awake already: changes nothing
     assert greedy(llm) == before
+
+
+@pytest.mark.model
+def test_release_kv_cache_memory_after_a_pause_frees_the_kv_cache_alone(llm):
+    before = greedy(llm)
+    runner = llm.llm_engine.model_runner
+    with pytest.raises(ValueError, match="needs a completed pause"):
+        llm.release_kv_cache_memory()
+    llm.sleep(0)
+    llm.release_kv_cache_memory()
+    assert llm.is_sleeping() and runner.kv_caches == [] and runner.released == {"kv_cache"}
+    assert all(p.numel() for p in runner.model.parameters())  # the weights stay
+    with pytest.raises(ValueError, match="wake_up resumes it"):
+        llm.resume_generation()
+    assert llm.wake_up(["weights"]) is False  # the KV cache is still released
+    assert llm.wake_up(["kv_cache"]) is True
+    assert not llm.is_sleeping() and greedy(llm) == before
+    llm.sleep(1)
+    with pytest.raises(ValueError, match="memory resident"):
+        llm.release_kv_cache_memory()
+    llm.wake_up()
 
 
 @pytest.mark.model

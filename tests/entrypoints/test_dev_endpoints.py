@@ -42,7 +42,8 @@ DEV_ROUTES = [("post", "/sleep"), ("post", "/wake_up"), ("get", "/is_sleeping"),
               ("get", "/weight_info"), ("post", "/init_weight_transfer_engine"),
               ("post", "/shutdown_weight_transfer_engine"), ("post", "/update_weight_version"),
               ("get", "/get_world_size"), ("post", "/abort_requests"), ("post", "/weight_checker"),
-              ("get", "/server_info")]
+              ("get", "/server_info"), ("post", "/release_kv_cache_memory"),
+              ("post", "/start_draft_weight_update")]
 API_KEY = "dev-secret"
 
 
@@ -80,17 +81,39 @@ def test_the_dev_endpoints_drive_the_engine(monkeypatch, tmp_path):
             "status": "awake", "tags": ["kv_cache"]}
         assert http.get("/is_sleeping").json() == {"is_sleeping": False}
         assert gauge(http)["awake"] == 1
-        # Level 0 only pauses scheduling; the "scheduling" tag resumes it.
-        assert http.post("/sleep", params={"level": 0}).json() == {"status": "sleeping",
-                                                                   "level": 0}
-        assert http.get("/is_sleeping").json() == {"is_sleeping": True}
-        assert gauge(http)["awake"] == 1  # no memory released
+        # Level 0 only pauses scheduling; the "scheduling" tag resumes it, as does any wake_up
+        # with all the memory resident (vLLM's rule).
+        for tag in ("scheduling", "weights"):
+            assert http.post("/sleep", params={"level": 0}).json() == {"status": "sleeping",
+                                                                       "level": 0}
+            assert http.get("/is_sleeping").json() == {"is_sleeping": True}
+            assert gauge(http)["awake"] == 1  # no memory released
+            assert http.post("/wake_up", params={"tags": tag}).json() == {
+                "status": "awake", "tags": [tag]}
+            assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+            assert complete(http).status_code == 200
+        # The KV cache's memory freed once a pause has completed with no request kept (vLLM
+        # 0.32), and brought back by waking the kv_cache tag.
+        assert http.post("/release_kv_cache_memory").status_code == 400  # not paused
+        with ThreadPoolExecutor(1) as pool:
+            stream = pool.submit(http.post, "/v1/completions", json={
+                "model": http.get("/v1/models").json()["data"][0]["id"], "prompt": [5, 6],
+                "max_tokens": 100, "ignore_eos": True})
+            time.sleep(0.3)
+            assert http.post("/pause", params={"mode": "keep"}).status_code == 200
+            kept = http.post("/release_kv_cache_memory")
+            assert kept.status_code == 400 and "no request kept" in kept.json()["error"]["message"]
+            assert http.post("/resume").status_code == 200
+            assert stream.result().json()["choices"][0]["finish_reason"] == "length"
+        assert http.post("/sleep", params={"level": 0}).status_code == 200
+        assert http.post("/release_kv_cache_memory").json() == {"status": "kv_cache_released"}
+        assert http.post("/resume").status_code == 400  # its memory is gone: wake_up resumes
         assert http.post("/wake_up", params={"tags": "weights"}).json() == {
             "status": "sleeping", "tags": ["weights"]}
-        assert http.post("/wake_up", params={"tags": "scheduling"}).json() == {
-            "status": "awake", "tags": ["scheduling"]}
-        assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+        assert http.post("/wake_up", params={"tags": "kv_cache"}).json() == {
+            "status": "awake", "tags": ["kv_cache"]}
         assert complete(http).status_code == 200
+        assert 'operation="release_kv_cache_memory"' in http.get("/metrics").text
 
         assert http.post("/pause", params={"mode": "keep"}).json() == {"status": "paused"}
         assert http.get("/is_paused").json() == {"is_paused": True}
@@ -114,6 +137,8 @@ def test_the_dev_endpoints_drive_the_engine(monkeypatch, tmp_path):
         assert http.post("/finish_weight_update", json={"weight_version": "step-3"}).json() == {
             "message": "Weight update finished"}
         assert http.get("/weight_info").json() == {"weight_version": "step-3"}
+        draft = http.post("/start_draft_weight_update")  # vLLM's message; ngram has no weights
+        assert draft.status_code == 400 and "no draft model is configured" in draft.text
 
         for method, path, kwargs in (
                 ("post", "/sleep", {"params": {"level": 3}}),
