@@ -1,13 +1,15 @@
-"""vLLM's weight transfer engine on a gloo group: a trainer process broadcasts new weights to every
-engine rank, which loads them in place.
+"""vLLM's weight transfer engine: a trainer process broadcasts new weights to every engine rank,
+which loads them in place.
 
 Mirrors vllm/distributed/weight_transfer/ (NCCLWeightTransferEngine: its trainer_init, and
 receive_weights behind POST /update_weights) and its payloads: init_info {master_address,
-master_port, rank_offset, world_size}, update_info {names, dtype_names, shapes}. gloo stands in
-for NCCL, so that it runs on CPU (the tensors go over TCP). The trainer is rank 0 and hosts the
+master_port, rank_offset, world_size}, update_info {names, dtype_names, shapes}. The group is
+NCCL's between GPUs, as vLLM's, and gloo's on CPU (the tensors go over TCP): each end picks by its
+device (an engine's: its runner's; the trainer's: trainer_init's device, CUDA where there is one),
+so a GPU trainer of CPU engines passes device="cpu". The trainer is rank 0 and hosts the
 rendezvous store; DP engine i joins as rank_offset + i; an update is one broadcast from rank 0 per
-tensor, in the order of names. Left out: NCCL between GPUs, CUDA IPC handles for a colocated
-trainer, packed (bucketed) tensors.
+tensor, in the order of names. Left out: CUDA IPC handles for a colocated trainer, packed
+(bucketed) tensors. The NCCL path is untested here: no GPU was at hand.
 
     group = trainer_init({"master_address": "127.0.0.1", "master_port": port, "world_size": 3})
     # ... POST /init_weight_transfer_engine with the same init_info and rank_offset 1 ...
@@ -23,7 +25,7 @@ from datetime import timedelta
 import torch
 from torch.distributed import PrefixStore, TCPStore
 
-from minicore.dp.process_groups import init_gloo_process_group
+from minicore.dp.process_groups import init_gloo_process_group, init_nccl_process_group
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
 
@@ -31,31 +33,35 @@ DEFAULT_TIMEOUT = timedelta(seconds=300)
 class WeightTransferGroup:
     """One rank's end of the group (rank 0: the trainer's)."""
 
-    def __init__(self, init_info: dict, rank: int, timeout: timedelta = DEFAULT_TIMEOUT):
-        """Join the group init_info describes as rank; returns once every rank has joined."""
+    def __init__(self, init_info: dict, rank: int, device: torch.device,
+                 timeout: timedelta = DEFAULT_TIMEOUT):
+        """Join the group init_info describes as rank, on device's backend; returns once every
+        rank has joined."""
         address, port, size = _parse_init_info(init_info)
         if not 0 <= rank < size:
             raise ValueError(f"init_info: rank {rank} is outside world_size {size} (the trainer "
                              "is rank 0, the engines rank_offset, rank_offset + 1, ...)")
-        self.rank, self.world_size = rank, size
-        store = TCPStore(address, port, world_size=size, is_master=rank == 0, timeout=timeout,
-                         wait_for_workers=True)
-        self._group = init_gloo_process_group(PrefixStore("weight_transfer", store), rank, size,
-                                              _local_address(address, port), timeout)
+        self.rank, self.world_size, self.device = rank, size, device
+        store = PrefixStore("weight_transfer", TCPStore(
+            address, port, world_size=size, is_master=rank == 0, timeout=timeout,
+            wait_for_workers=True))
+        self._group = (init_nccl_process_group(store, rank, size, device, timeout)
+                       if device.type == "cuda" else init_gloo_process_group(
+                           store, rank, size, _local_address(address, port), timeout))
         self._store = store  # rank 0 hosts it: kept for the group's life
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The trainer's side of an update: every tensor, in order (the update_info it posts
         names them in the same order)."""
         for _, tensor in named_tensors:
-            self._group.broadcast(tensor.detach().contiguous().cpu(), 0).wait()
+            self._group.broadcast(tensor.detach().contiguous().to(self.device), 0).wait()
 
     def receive(self, update_info: dict) -> list[tuple[str, torch.Tensor]]:
         """An engine's side: the tensors update_info announces, as the trainer broadcasts them."""
         names, dtypes, shapes = _parse_update_info(update_info)
         received = []
         for name, dtype, shape in zip(names, dtypes, shapes):
-            tensor = torch.empty(shape, dtype=dtype)
+            tensor = torch.empty(shape, dtype=dtype, device=self.device)
             self._group.broadcast(tensor, 0).wait()
             received.append((name, tensor))
         return received
@@ -68,12 +74,16 @@ class WeightTransferGroup:
                 "shapes": [list(t.shape) for _, t in named]}
 
 
-def trainer_init(init_info: dict, timeout: timedelta = DEFAULT_TIMEOUT) -> WeightTransferGroup:
-    """The trainer's end, rank 0 (vLLM: NCCLWeightTransferEngine.trainer_init)."""
-    return WeightTransferGroup(init_info, 0, timeout)
+def trainer_init(init_info: dict, timeout: timedelta = DEFAULT_TIMEOUT,
+                 device: torch.device | str | None = None) -> WeightTransferGroup:
+    """The trainer's end, rank 0 (vLLM: NCCLWeightTransferEngine.trainer_init), on device
+    (default: this process's GPU where it has one, else the CPU)."""
+    if device is None:
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    return WeightTransferGroup(init_info, 0, torch.device(device), timeout)
 
 
-def join_as_engine(init_info: dict, dp_rank: int) -> Future:
+def join_as_engine(init_info: dict, dp_rank: int, device: torch.device) -> Future:
     """DP engine dp_rank's end, rank init_info["rank_offset"] (default 1) + dp_rank: a future of
     the group, joined on a thread of its own. Joining waits for every rank, and meanwhile the
     engine's forward thread must stay free: a DP rank may be waiting there, in a collective of
@@ -84,7 +94,7 @@ def join_as_engine(init_info: dict, dp_rank: int) -> Future:
 
     def join() -> None:
         try:
-            future.set_result(WeightTransferGroup(init_info, rank))
+            future.set_result(WeightTransferGroup(init_info, rank, device))
         except BaseException as e:  # the update that waits for it reports it
             future.set_exception(e)
     threading.Thread(target=join, name="weight-transfer-join", daemon=True).start()

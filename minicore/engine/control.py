@@ -9,7 +9,7 @@ is mixed into EngineCore; ProcControl into EngineCoreProc, where "idle" is the b
 rank's: its wave ended on every rank).
 The guarded surface: a UTILITY message may name only the public methods of EngineControl
 (UTILITY_METHODS), and collective_rpc only what minicore/engine/worker_rpc.py lets through.
-Left out: LoRA, profiling, elastic scaling, NCCL/IPC weight transfer (the runner's group is
+Left out: LoRA, profiling, elastic scaling, IPC weight transfer (the runner's group is NCCL's or
 gloo's: minicore/dp/weight_transfer.py).
 """
 

@@ -10,9 +10,9 @@ answers are vLLM 0.32's: /sleep {"status": "sleeping", "level": N} (level 0 only
 {"status": "awake", "tags": [...]} ("scheduling" among the tags), /is_sleeping true while paused,
 /release_kv_cache_memory after a pause. Bad arguments are a 400 with an OpenAI error body, a
 failure in an engine a 500; /start_draft_weight_update is a 400 with vLLM's message (minicore's
-drafts have no weights). The weight transfer engine is a gloo group with the trainer
-(minicore/dp/weight_transfer.py). Left out: NCCL and IPC transfers, the system survey in
-/server_info's system_env (vLLM's collect_env).
+drafts have no weights). The weight transfer engine is an NCCL or gloo group with the trainer
+(minicore/dp/weight_transfer.py). Left out: IPC transfers, the system survey in /server_info's
+system_env (vLLM's collect_env).
 """
 
 import dataclasses

@@ -130,8 +130,8 @@ class ModelRunner(ModelRunnerBase):
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         """Start joining the trainer's group as rank rank_offset + this engine's DP rank (on a
         thread of its own: weight_transfer.join_as_engine)."""
-        self.weight_transfer = join_as_engine(init_info,
-                                              self.config.parallel_config.data_parallel_rank)
+        self.weight_transfer = join_as_engine(
+            init_info, self.config.parallel_config.data_parallel_rank, self.device)
 
     def shutdown_weight_transfer_engine(self) -> None:
         self.weight_transfer = None
