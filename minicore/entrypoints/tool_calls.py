@@ -215,7 +215,7 @@ class ToolCallParser:
 
     def __post_init__(self):
         if self.tools.tool_choice == "auto":
-            self.tool_parser = self.tools.parser_cls()
+            self.tool_parser = self.tools.parser_cls(self.tools.tools)
 
     def parse(self, text: str, finish_reason: str) -> tuple[ChatMessage, str]:
         """The message of a whole output and the choice's finish reason. A named or "required"

@@ -38,9 +38,11 @@ CASES = [
                     "San Francisco\n</parameter>\n<parameter=metric>\ncelsius\n</parameter>\n"
                     "</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n"
                     "</tool_call>", [WEATHER, TIME], "I will check.\n"),
+    # No tool schema: every value stays text, as vLLM's (typed by the schema: below).
     ("qwen3_coder", "<tool_call>\n<function=book>\n<parameter=seats>\n4\n</parameter>\n"
                     "<parameter=options>\n{\"window\": true}\n</parameter>\n</function>\n"
-                    "</tool_call>", [("book", {"seats": 4, "options": {"window": True}})], None),
+                    "</tool_call>", [("book", {"seats": "4", "options": '{"window": true}'})],
+     None),
 ]
 IDS = [f"{c[0]}-{i}" for i, c in enumerate(CASES)]
 
@@ -86,3 +88,31 @@ def test_streamed_in_pieces(name, output, calls, content, piece):
 def test_calls_that_do_not_parse_are_content(name, output):
     info = ToolParserManager.get_tool_parser(name)().extract_tool_calls(output)
     assert not info.tools_called and info.content == output
+
+
+BOOK = [{"type": "function", "function": {"name": "book", "parameters": {"type": "object",
+         "properties": {
+             "seats": {"type": "integer"}, "price": {"type": "number"},
+             "window": {"type": "boolean"}, "note": {"type": ["string", "null"]},
+             "zip": {"type": "string"}, "options": {"type": "object"},
+             "tags": {"type": "array"}, "size": {"enum": [1, 2, 3]},
+             "when": {"anyOf": [{"type": "null"}, {"type": "integer"}]},
+             "count": {"type": "int"}, "ratio": {"type": "number"}, "flag": {"type": "boolean"},
+             "untyped": {"description": "no type"}}}}}]
+
+
+def test_qwen3_coder_types_each_value_by_the_tools_schema():
+    values = {"seats": "4", "price": "9.50", "window": "true", "note": "null", "zip": "02139",
+              "options": '{"aisle": false}', "tags": '["a", 1]', "size": "2", "when": "7",
+              "count": "12", "ratio": "3.0", "flag": "maybe", "untyped": "[1]", "extra": "5"}
+    output = "<tool_call>\n<function=book>\n" + "".join(
+        f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items()
+    ) + "</function>\n</tool_call>"
+    info = ToolParserManager.get_tool_parser("qwen3_coder")(BOOK).extract_tool_calls(output)
+    assert calls_of(info.tool_calls) == [("book", {
+        "seats": 4, "price": 9.5, "window": True, "note": None, "zip": "02139",
+        "options": {"aisle": False}, "tags": ["a", 1], "size": 2, "when": 7,
+        "count": 12,  # a type name models write: vLLM's aliases
+        "ratio": 3,  # a whole number, as vLLM writes it
+        "flag": "maybe",  # not a boolean: kept as written
+        "untyped": "[1]", "extra": "5"})]  # no type, no schema: text

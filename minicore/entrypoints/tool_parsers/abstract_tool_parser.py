@@ -26,7 +26,9 @@ class ToolParser:
     """One model's tool call format: extract_tool_calls reads a whole output,
     extract_tool_calls_streaming the output so far, one delta at a time."""
 
-    def __init__(self):
+    def __init__(self, tools: list[dict] | None = None):
+        # The request's tools (vLLM's ToolParser takes them too): their schemas type arguments.
+        self.tools = tools
         # vLLM's streaming state: each call's name once sent, and its arguments sent.
         self.prev_tool_call_arr: list[dict] = []
         self.streamed_args_for_tool: list[str] = []

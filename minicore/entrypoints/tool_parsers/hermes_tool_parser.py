@@ -40,8 +40,8 @@ class Hermes2ProToolParser(ToolParser):
     name_regex = re.compile(r'"name"\s*:\s*"([^"]+)"')
     arguments_regex = re.compile(r'"arguments"\s*:\s*')
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, tools: list[dict] | None = None):
+        super().__init__(tools)
         self._sent_content_idx = 0  # streaming: the content sent so far ends here
 
     @classmethod

@@ -37,8 +37,8 @@ class WholeCallsToolParser(ToolParser):
     # Where a format's calls begin; "" for a format that begins with its first call's own text.
     start_marker = ""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, tools: list[dict] | None = None):
+        super().__init__(tools)
         self._sent_content_idx = 0
 
     def calls_start(self, text: str) -> int | None:
