@@ -22,28 +22,40 @@ INLINE v8 sum8(const v8 *acc) {
                      pair_sums(pair_sums(acc[4], acc[5]), pair_sums(acc[6], acc[7])));
 }
 
-/* out[j] = a . b_j for a float32 query row and the eight key rows from b on (a row every
- * `stride` bytes; the rows past `count` repeat the last and are not stored): eight lanes per
- * dot product, one sum8 tree, the features past the last multiple of eight added after it in
- * order. Each dot product is computed the same way whichever rows share the call. */
-INLINE void dot8(const float *a, const char *b, int64_t stride, int count, int n, float *out,
-                 int bf16) {
+/* Query heads per tile: each key or value row read serves this many query heads while it is in
+ * registers (three take 24 accumulators of the 32 vector registers). */
+#define TILE 3
+
+/* out[g][j] = a_g . b_j for the Q float32 query rows from a on (`n` apart) and the eight key rows
+ * from b on (a row every `stride` bytes; the rows past `count` repeat the last and are not
+ * stored), out[g] `out_stride` apart: eight lanes per dot product, one sum8 tree, the features
+ * past the last multiple of eight added after it in order. Each dot product is computed the same
+ * way whichever rows and queries share the call; each key vector is read once for the Q. */
+INLINE void dot8(const float *a, const int Q, const char *b, int64_t stride, int count, int n,
+                 float *out, int64_t out_stride, int bf16) {
     const char *rows[8];
     for (int j = 0; j < 8; j++)
         rows[j] = b + (j < count ? j : count - 1) * stride;
-    v8 acc[8] = {{0}};
+    v8 acc[TILE][8] = {{{0}}};
     int d = 0;
     for (; d + 8 <= n; d += 8) {
-        v8 x = *(const v8 *)(a + d);
-        for (int j = 0; j < 8; j++)
-            acc[j] += x * elems8(rows[j], d, bf16);
+        v8 x[TILE];
+        for (int g = 0; g < Q; g++)
+            x[g] = *(const v8 *)(a + g * n + d);
+        for (int j = 0; j < 8; j++) {
+            v8 key = elems8(rows[j], d, bf16);
+            for (int g = 0; g < Q; g++)
+                acc[g][j] += x[g] * key;
+        }
     }
-    v8 sums = sum8(acc);
-    for (int j = 0; j < count; j++) {
-        float s = sums[j];
-        for (int e = d; e < n; e++)
-            s += a[e] * elem(rows[j], e, bf16);
-        out[j] = s;
+    for (int g = 0; g < Q; g++) {
+        v8 sums = sum8(acc[g]);
+        for (int j = 0; j < count; j++) {
+            float s = sums[j];
+            for (int e = d; e < n; e++)
+                s += a[g * n + e] * elem(rows[j], e, bf16);
+            out[g * out_stride + j] = s;
+        }
     }
 }
 
@@ -94,50 +106,75 @@ INLINE void scores_of(const reads *r, int bh, int g0, int g1, const float *q, fl
         span s = chunk_span(r, b, c, first, len, h, bf16);
         for (int64_t p = s.start; p < s.end; p += 8) {
             int count = s.end - p < 8 ? (int)(s.end - p) : 8;
-            for (int g = g0; g < g1; g++) {
+            const char *keys = s.rows + (p - s.start) * row_bytes;
+            for (int g = g0; g < g1; g += TILE) {
                 float *o = out + g * max_len + p;
-                dot8(qb + g * dim, s.rows + (p - s.start) * row_bytes, row_bytes, count, dim, o,
-                     bf16);
-                for (int j = 0; j < count; j++) {
-                    float x = o[j] * scale;
-                    o[j] = softcap > 0 ? softcap * tanhf(x / softcap) : x;
+                const float *qg = qb + g * dim;
+                switch (g1 - g < TILE ? g1 - g : TILE) {
+                case 1: dot8(qg, 1, keys, row_bytes, count, dim, o, max_len, bf16); break;
+                case 2: dot8(qg, 2, keys, row_bytes, count, dim, o, max_len, bf16); break;
+                default: dot8(qg, TILE, keys, row_bytes, count, dim, o, max_len, bf16);
                 }
             }
+            for (int g = g0; g < g1; g++)
+                for (int j = 0; j < count; j++) {
+                    float *o = out + g * max_len + p + j, x = *o * scale;
+                    *o = softcap > 0 ? softcap * tanhf(x / softcap) : x;
+                }
         }
     }
 }
 
+/* out[g] = sum over p of probs[g][p] * value(p), for the Q query heads from g on (probs `max_len`
+ * apart, out `dim` apart) and 32 features from d0 on, each value vector read once for the Q:
+ * each element summed over the positions in order, whichever heads share the call. */
+INLINE void values32(const reads *r, int b, int h, int64_t first, int64_t len, const float *probs,
+                     const int Q, int d0, float *out, int bf16) {
+    int dim = r->dim, end = d0 + 32 < dim ? d0 + 32 : dim, vectors = (end - d0) / 8;
+    int64_t row_bytes = dim * elem_size(bf16);
+    v8 acc[TILE][4] = {{{0}}};
+    float tail[TILE][7] = {{0}};
+    for (int64_t c = first / r->chunk; c * r->chunk < len; c++) {
+        span s = chunk_span(r, b, c, first, len, h, bf16);
+        const char *v = s.rows;
+        for (int64_t p = s.start; p < s.end; p++, v += row_bytes) {
+            v8 value[4];
+            for (int j = 0; j < 4; j++)
+                if (j < vectors)
+                    value[j] = elems8(v, d0 + 8 * j, bf16);
+            for (int g = 0; g < Q; g++) {
+                float w = probs[g * r->max_len + p];
+                for (int j = 0; j < 4; j++)
+                    if (j < vectors)
+                        acc[g][j] += w * value[j];
+                for (int e = d0 + 8 * vectors; e < end; e++)
+                    tail[g][e - d0 - 8 * vectors] += w * elem(v, e, bf16);
+            }
+        }
+    }
+    for (int g = 0; g < Q; g++) {
+        for (int j = 0; j < vectors; j++)
+            memcpy(out + g * dim + d0 + 8 * j, &acc[g][j], sizeof acc[g][j]);
+        for (int e = d0 + 8 * vectors; e < end; e++)
+            out[g * dim + e] = tail[g][e - d0 - 8 * vectors];
+    }
+}
+
 /* out[b, h, g] = sum over p in [first, len) of probs[b, h, g, p] * value(b, h, p): each element
- * summed over the positions in order, 64 features at a time held in registers. */
+ * summed over the positions in order, TILE heads and 32 features at a time in registers. */
 INLINE void values_of(const reads *r, int bh, int g0, int g1, const float *probs, float *out,
                       int bf16) {
     int b = bh / r->heads, h = bh % r->heads, dim = r->dim;
     int64_t len = r->seq_lens[b], first = window_start(len, r->window);
-    int64_t row_bytes = dim * elem_size(bf16);
-    for (int g = g0; g < g1; g++) {
+    for (int g = g0; g < g1; g += TILE) {
         const float *pg = probs + ((int64_t)bh * r->group + g) * r->max_len;
         float *og = out + ((int64_t)bh * r->group + g) * dim;
-        for (int d0 = 0; d0 < dim; d0 += 64) {
-            int end = d0 + 64 < dim ? d0 + 64 : dim, vectors = (end - d0) / 8;
-            v8 acc[8] = {{0}};
-            float tail[7] = {0};
-            for (int64_t c = first / r->chunk; c * r->chunk < len; c++) {
-                span s = chunk_span(r, b, c, first, len, h, bf16);
-                const char *v = s.rows;
-                for (int64_t p = s.start; p < s.end; p++, v += row_bytes) {
-                    float w = pg[p];
-                    for (int j = 0; j < 8; j++)
-                        if (j < vectors)
-                            acc[j] += w * elems8(v, d0 + 8 * j, bf16);
-                    for (int e = d0 + 8 * vectors; e < end; e++)
-                        tail[e - d0 - 8 * vectors] += w * elem(v, e, bf16);
-                }
+        for (int d0 = 0; d0 < dim; d0 += 32)
+            switch (g1 - g < TILE ? g1 - g : TILE) {
+            case 1: values32(r, b, h, first, len, pg, 1, d0, og, bf16); break;
+            case 2: values32(r, b, h, first, len, pg, 2, d0, og, bf16); break;
+            default: values32(r, b, h, first, len, pg, TILE, d0, og, bf16);
             }
-            for (int j = 0; j < vectors; j++)
-                memcpy(og + d0 + 8 * j, &acc[j], sizeof acc[j]);
-            for (int e = d0 + 8 * vectors; e < end; e++)
-                og[e] = tail[e - d0 - 8 * vectors];
-        }
     }
 }
 
