@@ -25,8 +25,8 @@ memory and has nothing to spare. The runner plugs DecodeKVBuffers in on CPU at c
 decode attention of minicore/model/attention.py (DecodeAttention): its plan for a step, a RowKV,
 updates the rows and attends; the kernel or torch is chosen once, when the buffers are built.
 With token_queries (batch invariance, --batch-invariant) every token of the step, prefill and
-drafts included, is a query of the kernel over its own prefix, and the softmax runs over a width
-rounded up to QUERY_WIDTH, so that no row's sums depend on the longest query beside it.
+drafts included, is a query of the kernel over its own prefix (its softmax too is the kernel's,
+over that prefix alone).
 """
 
 from __future__ import annotations
@@ -41,9 +41,6 @@ from minicore.model.attention import GATHERED_DECODE, AttentionMetadata, Gathere
 from minicore.model.native import KERNEL_DTYPES, decode_attention
 
 CHUNK_SIZE = 256
-# The score rows' width, with token_queries, is a multiple of this: torch's softmax then sums
-# every real score in the same vector lanes, whatever padding follows (no remainder loop).
-QUERY_WIDTH = 64
 
 
 @dataclass(slots=True)
@@ -98,8 +95,7 @@ class DecodeKVBuffers:
         # How decode attention reads the pools, chosen once: the kernel, else torch over views.
         self._reads = self._kernel_reads if self.kernel is not None else self._view_reads
         # Which sequences' tokens are queries (chosen once): those decoding, or every token.
-        self._queries, self._width = ((_every_token, QUERY_WIDTH) if token_queries
-                                      else (_decoding, 1))
+        self._queries = _every_token if token_queries else _decoding
         self.max_slots = num_blocks * block_size
         # Every token's attention must read the pools, never the gather: in chunks of a block
         # they hold what the paged cache holds, so that built afresh they always fit.
@@ -134,8 +130,7 @@ class DecodeKVBuffers:
                 return GATHERED_DECODE
         return RowKV(self.pools, self.chunk_size, self._writes(req_ids, computed, seq_lens),
                      [(seq, self.slots[req_ids[seq]], computed[seq]) for seq in fills],
-                     -(-max((seq_lens[seq] for seq in decodes), default=0) // self._width)
-                     * self._width,
+                     max((seq_lens[seq] for seq in decodes), default=0),
                      *self._reads(req_ids, seq_lens, decodes))
 
     def _place(self, req_ids: list[str], computed: list[int], seq_lens: list[int]) -> list[int]:

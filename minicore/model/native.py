@@ -45,8 +45,6 @@ HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-# q/probs, pools, slots, seq_lens, batch, heads, group, dim, chunk, max_chunks, max_len
-_COMMON = [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I]
 
 
 @functools.cache
@@ -68,9 +66,8 @@ def native_kernels() -> ctypes.CDLL | None:
                        getattr(e, "stderr", None) or e)
         return None
     # The last argument of each: 1 when the pools or the weight are bfloat16, 0 for float32.
-    lib.decode_scores.argtypes = _COMMON + [_F, _F, _I64, _P, _I, _I]
-    lib.decode_values.argtypes = _COMMON + [_I64, _P, _I, _I]
-    lib.decode_scores.restype = lib.decode_values.restype = None
+    lib.decode_attention.argtypes = [_P, _P, _P, _P, _P, *[_I] * 7, _F, _F, _I64, _P, _I, _I]
+    lib.decode_attention.restype = _I
     lib.linear_rows.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I]
     lib.linear_rows_bf16.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I]
     lib.linear_rows.restype = lib.linear_rows_bf16.restype = _I
@@ -138,15 +135,12 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, pointers: torch.Tensor,
     slots, seq_lens = (t.to(torch.int64).contiguous() for t in (slots, seq_lens))
     batch, heads, group, dim = q.shape
     threads, bf16 = torch.get_num_threads(), KERNEL_DTYPES[kv_dtype]
-    shape = (batch, heads, group, dim, chunk_size, slots.shape[1], max_len)
-    scores = qf.new_empty(batch, heads, group, max_len)
-    lib.decode_scores(qf.data_ptr(), pointers[0].data_ptr(), slots.data_ptr(),
-                      seq_lens.data_ptr(), *shape, scaling, softcap or 0.0, window or 0,
-                      scores.data_ptr(), threads, bf16)
-    probs = torch.softmax(scores, dim=-1)
     out = torch.empty_like(qf)
-    lib.decode_values(probs.data_ptr(), pointers[1].data_ptr(), slots.data_ptr(),
-                      seq_lens.data_ptr(), *shape, window or 0, out.data_ptr(), threads, bf16)
+    if lib.decode_attention(qf.data_ptr(), pointers[0].data_ptr(), pointers[1].data_ptr(),
+                            slots.data_ptr(), seq_lens.data_ptr(), batch, heads, group, dim,
+                            chunk_size, slots.shape[1], max_len, scaling, softcap or 0.0,
+                            window or 0, out.data_ptr(), threads, bf16):
+        raise MemoryError("decode_attention: out of memory")
     return out.to(q.dtype)
 
 
