@@ -84,10 +84,11 @@ class ModelConfig:
     batch_invariant: bool | None = flag(
         None, "a request's tokens and logprobs are a function of the request alone, bit for bit, "
               "whatever else is in the batch, however its prompt is chunked, with drafts or "
-              "without (vLLM's VLLM_BATCH_INVARIANT=1, which sets the default): on CPU every "
-              "linear layer runs minicore's kernel and every token's attention the decode "
-              "kernel, each summing in one order; needs those kernels (a C compiler); not on "
-              "CUDA")
+              "without (vLLM's VLLM_BATCH_INVARIANT=1 or 0 sets the default): every linear "
+              "layer runs minicore's kernel and every token's attention the decode kernel, each "
+              "summing in one order; needs those kernels (a C compiler); not on CUDA. Default: "
+              "on for CPU where the kernels build (a long prompt's prefill costs more, "
+              "docs/BENCHMARKS.md), off on CUDA")
     runner: ModelRunnerKind = flag(
         "transformers", "; ".join(f"{name}: {info.help}" for name, info in MODEL_RUNNERS.items()))
     simulated_cost: SimulatedCost = field(default_factory=SimulatedCost, metadata={
@@ -96,8 +97,8 @@ class ModelConfig:
 
     def __post_init__(self):
         runner_info(self.runner)  # an unknown runner: ValueError naming the choices
-        if self.batch_invariant is None:
-            self.batch_invariant = os.environ.get(BATCH_INVARIANT_ENV, "0") not in ("", "0")
+        if self.batch_invariant is None and os.environ.get(BATCH_INVARIANT_ENV, ""):
+            self.batch_invariant = os.environ[BATCH_INVARIANT_ENV] != "0"
         if self.dtype not in get_args(ModelDType):
             raise ValueError(f"dtype must be one of {', '.join(get_args(ModelDType))}, "
                              f"got {self.dtype!r}")

@@ -104,9 +104,20 @@ def _build(compiler: str, path: Path) -> None:
             os.unlink(tmp)
 
 
+def resolve_batch_invariant(model_config, device: torch.device,
+                            kernels: ctypes.CDLL | None) -> bool:
+    """model_config.batch_invariant, its default resolved (on for CPU where the kernels built,
+    off on CUDA) and set; ValueError where it was asked for and cannot hold: off the CPU, or
+    without the kernels (their sums run in one order whatever the batch; torch's and MKL's do
+    not)."""
+    if model_config.batch_invariant is None:
+        model_config.batch_invariant = device.type == "cpu" and kernels is not None
+    elif model_config.batch_invariant:
+        check_batch_invariant(device, kernels)
+    return model_config.batch_invariant
+
+
 def check_batch_invariant(device: torch.device, kernels: ctypes.CDLL | None) -> None:
-    """ValueError where --batch-invariant cannot hold: off the CPU, or without the kernels (their
-    sums run in one order whatever the batch; torch's and MKL's do not)."""
     if device.type != "cpu":
         raise ValueError("--batch-invariant runs on CPU only: minicore has no batch-invariant "
                          f"{device.type} kernels (vLLM's are Triton ones, for compute capability "

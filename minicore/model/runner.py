@@ -41,7 +41,7 @@ from minicore.model.cpu_memory import keep_freed_memory
 from minicore.model.decode_kv import DecodeKVBuffers
 from minicore.model.llama_forward import llama_forward
 from minicore.model.logprobs import LogprobsOutput
-from minicore.model.native import check_batch_invariant, native_kernels
+from minicore.model.native import native_kernels, resolve_batch_invariant
 from minicore.model.rejection_sampler import SpecDecodeSampler
 from minicore.model.runner_base import CachedRequestState, ModelRunnerBase
 from minicore.model.sampler import (
@@ -71,9 +71,8 @@ class ModelRunner(ModelRunnerBase):
         use_paged_attention(model)
         # Batch invariance (--batch-invariant): every linear layer by the native kernel and
         # every token a decode query of it, each summing in one order whatever the batch.
-        self.batch_invariant = config.model_config.batch_invariant
-        if self.batch_invariant:
-            check_batch_invariant(self.device, native_kernels())
+        self.batch_invariant = resolve_batch_invariant(config.model_config, self.device,
+                                                       native_kernels())
         self.build_metadata = partial(AttentionMetadata.build,
                                       token_queries=self.batch_invariant)
         if self.device.type == "cpu":

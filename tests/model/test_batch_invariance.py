@@ -8,6 +8,7 @@ same comparisons differ (the first test shows it, so that the others cannot pass
 import random
 
 import pytest
+import torch
 from moe_models import build_served_moe
 
 from minicore.llm import LLM
@@ -104,7 +105,7 @@ def test_a_mixture_of_experts_model_too(tmp_path_factory, family, dtype):
 
 def test_vllms_switch_sets_the_default_and_the_flag_wins(monkeypatch):
     monkeypatch.delenv(BATCH_INVARIANT_ENV, raising=False)
-    assert ModelConfig().batch_invariant is False
+    assert ModelConfig().batch_invariant is None  # auto: the runner's device decides
     monkeypatch.setenv(BATCH_INVARIANT_ENV, "1")
     assert ModelConfig().batch_invariant is True
     assert ModelConfig(batch_invariant=False).batch_invariant is False
@@ -112,11 +113,18 @@ def test_vllms_switch_sets_the_default_and_the_flag_wins(monkeypatch):
     assert ModelConfig().batch_invariant is False
 
 
-def test_refused_where_it_cannot_hold(monkeypatch):
+def test_refused_where_it_cannot_hold_and_the_default_follows_the_device(monkeypatch):
     from minicore.model import runner
+    from minicore.model.native import resolve_batch_invariant
 
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
     with pytest.raises(ValueError, match="CPU only"):
-        runner.check_batch_invariant(__import__("torch").device("cuda"), object())
+        resolve_batch_invariant(ModelConfig(batch_invariant=True), cuda, object())
+    for device, kernels, default in ((cpu, object(), True), (cuda, object(), False),
+                                     (cpu, None, False)):  # no C compiler: off, not refused
+        config = ModelConfig()
+        assert resolve_batch_invariant(config, device, kernels) is default
+        assert config.batch_invariant is default
     monkeypatch.setattr(runner, "native_kernels", lambda: None)
     with pytest.raises(ValueError, match="kernels, which could not be built"):
         LLM(dtype="float32", **ENGINE)
@@ -124,5 +132,9 @@ def test_refused_where_it_cannot_hold(monkeypatch):
 
 def test_the_engines_config_line_says_which(caplog):
     with caplog.at_level("INFO", logger="minicore"):
-        LLM(dtype="float32", **ENGINE)
-    assert "batch_invariant=True" in caplog.text
+        LLM(dtype="float32", max_model_len=512, kv_cache_memory=1 << 27)
+    assert "batch_invariant=True" in caplog.text  # the default on CPU
+    caplog.clear()
+    with caplog.at_level("INFO", logger="minicore"):
+        LLM(dtype="float32", max_model_len=512, kv_cache_memory=1 << 27, batch_invariant=False)
+    assert "batch_invariant=False" in caplog.text
