@@ -17,13 +17,14 @@ minicore/model/decode_kv.py), side by side; --torch-kernels also runs it with it
 (minicore/model/native.py: decode attention and linear layers on torch only). --vllm also runs
 vLLM's CPU build on the same workload, in its own virtualenv (benchmarks/vllm_side.py), with its
 default dtype (bfloat16 on every x86 CPU; --vllm-dtype to choose); minicore and transformers run
-with --dtype (default: minicore's auto). --batch-invariant also runs minicore with
---batch-invariant, on its own engine. The workload batch1 is single-stream decode: its prompts
+with --dtype (default: minicore's auto). minicore runs with its defaults (batch invariance on
+CPU); --no-batch-invariant also runs it with --no-batch-invariant, on its own engine. The workload
+batch1 is single-stream decode: its prompts
 (128 random ids, 128 output tokens) one at a time, reported as milliseconds per output token too.
 The CPU's model and bfloat16 flags are printed.
 
     python benchmarks/bench_throughput.py [--workloads uniform varied batch1] [--num-prompts 64] \
-        [--device cpu] [--dtype auto] [--gather] [--torch-kernels] [--batch-invariant] [--vllm]
+        [--device cpu] [--dtype auto] [--gather] [--torch-kernels] [--no-batch-invariant] [--vllm]
 """
 
 import argparse
@@ -146,8 +147,8 @@ def main() -> None:
                     help="also time minicore with the gather decode attention")
     ap.add_argument("--torch-kernels", action="store_true",
                     help="also time minicore with its C kernels off (CPU)")
-    ap.add_argument("--batch-invariant", action="store_true",
-                    help="also time minicore with --batch-invariant (its own engine)")
+    ap.add_argument("--no-batch-invariant", action="store_true",
+                    help="also time minicore with --no-batch-invariant (its own engine)")
     ap.add_argument("--vllm", action="store_true",
                     help="also time vLLM's CPU build (benchmarks/vllm_differential.py --setup)")
     ap.add_argument("--vllm-dtype", default=None, help="vLLM's --dtype (default: its auto)")
@@ -166,18 +167,18 @@ def main() -> None:
     # minicore/model/cpu_memory.py, which makes transformers faster too).
     reference = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     rate = measure_matmul_rate(cfg, dtype, device)
-    invariant = (LLM(dtype=args.dtype, device=args.device, max_model_len=1024, max_num_seqs=256,
-                     batch_invariant=True) if args.batch_invariant else None)
+    plain = (LLM(dtype=args.dtype, device=args.device, max_model_len=1024, max_num_seqs=256,
+                 batch_invariant=False) if args.no_batch_invariant else None)
     rows = []
     for name in args.workloads:
         work = make_workload(name, args.num_prompts, cfg.vocab_size)
         num_out, single = sum(o for _, o in work), name == "batch1"
         run_minicore(llm, work[:4])  # warm-up
         t_mini = run_minicore(llm, work, single)
-        gather_tok_s = torch_tok_s = invariant_tok_s = vllm = None
-        if invariant is not None:
-            run_minicore(invariant, work[:4])  # warm-up, as above
-            invariant_tok_s = num_out / run_minicore(invariant, work, single)
+        gather_tok_s = torch_tok_s = plain_tok_s = vllm = None
+        if plain is not None:
+            run_minicore(plain, work[:4])  # warm-up, as above
+            plain_tok_s = num_out / run_minicore(plain, work, single)
         # Other prompts of the same lengths: the first run's are in the prefix cache.
         other = make_workload(name, args.num_prompts, cfg.vocab_size, seed=1)
         # The runner chose its decode path once; each variant swaps in another and back.
@@ -199,13 +200,16 @@ def main() -> None:
         flops = matmul_flops(cfg, work)
         rows.append({"workload": name, "num_prompts": len(work), "output_tokens": num_out,
                      "minicore_s": t_mini, "transformers_s": t_hf, "gather_tok_s": gather_tok_s,
-                     "torch_kernels_tok_s": torch_tok_s, "batch_invariant_tok_s": invariant_tok_s,
+                     "torch_kernels_tok_s": torch_tok_s, "no_batch_invariant_tok_s": plain_tok_s,
+                     "batch_invariant": llm.llm_engine.config.model_config.batch_invariant,
                      "vllm": vllm,
                      "vllm_tok_s": vllm and num_out / vllm["seconds"],
                      "minicore_tok_s": num_out / t_mini, "transformers_tok_s": num_out / t_hf,
                      "speedup": t_hf / t_mini, "roofline_fraction": flops / t_mini / rate})
     print(f"CPU: {cpu_description()}")
-    print(f"device {device}, {dtype}, torch threads {torch.get_num_threads()}, "
+    print(f"device {device}, {dtype}, batch invariant "
+          f"{llm.llm_engine.config.model_config.batch_invariant}, torch threads "
+          f"{torch.get_num_threads()}, "
           f"measured matmul rate {rate / 1e9:.1f} GFLOP/s, load {load_s:.1f} s")
     print(f"{'workload':10} {'out tokens':>10} {'minicore tok/s':>15} {'transformers tok/s':>19} "
           f"{'ratio':>6} {'roofline':>9}")
@@ -216,11 +220,11 @@ def main() -> None:
               + (f"  gather: {r['gather_tok_s']:.1f} tok/s" if r["gather_tok_s"] else "")
               + (f"  torch kernels: {r['torch_kernels_tok_s']:.1f} tok/s"
                  if r["torch_kernels_tok_s"] else "")
-              + (f"  batch-invariant: {r['batch_invariant_tok_s']:.1f} tok/s"
-                 if r["batch_invariant_tok_s"] else "")
+              + (f"  --no-batch-invariant: {r['no_batch_invariant_tok_s']:.1f} tok/s"
+                 if r["no_batch_invariant_tok_s"] else "")
               + (f"  ms/token: {1e3 / r['minicore_tok_s']:.1f}"
-                 + (f", batch-invariant {1e3 / r['batch_invariant_tok_s']:.1f}"
-                    if r["batch_invariant_tok_s"] else "") if r["workload"] == "batch1" else "")
+                 + (f", --no-batch-invariant {1e3 / r['no_batch_invariant_tok_s']:.1f}"
+                    if r["no_batch_invariant_tok_s"] else "") if r["workload"] == "batch1" else "")
               + (f"  vLLM ({r['vllm']['dtype']}): {r['vllm_tok_s']:.1f} tok/s, minicore / vLLM "
                  f"{r['minicore_tok_s'] / r['vllm_tok_s']:.2f}x" if r["vllm"] else ""))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

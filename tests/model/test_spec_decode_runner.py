@@ -12,6 +12,7 @@ import torch
 
 from minicore.config import CacheConfig, EngineConfig
 from minicore.model.attention import GatheredDecode
+from minicore.model.config import ModelConfig
 from minicore.model.decode_kv import DecodeKVBuffers, RowKV
 from minicore.model.native import native_kernels
 from minicore.model.runner import ModelRunner
@@ -38,8 +39,10 @@ def tiny_llama():
 def make_runner(spec: bool, decode: str = "gathered") -> ModelRunner:
     """decode: how decode attention reads keys: "gathered" from the paged cache, "rows" from
     per-request rows (in chunks of 8 positions, so that sequences span several) with the native
-    kernel where it builds, "rows-torch" from them in torch."""
-    config = EngineConfig(cache_config=CacheConfig(block_size=BLOCK,
+    kernel where it builds, "rows-torch" from them in torch: the paths without batch
+    invariance, which is then off."""
+    config = EngineConfig(model_config=ModelConfig(batch_invariant=False),
+                          cache_config=CacheConfig(block_size=BLOCK,
                                                    num_blocks=1 + 3 * BLOCKS_PER_REQUEST),
                           speculative_config=SpeculativeConfig(method="ngram",
                                                                num_speculative_tokens=K)
