@@ -8,13 +8,13 @@ positions), and samples with minicore/model/sampler.py. The sampling metadata is
 from the request states (SamplingMetadata.from_states; vLLM keeps it in its persistent InputBatch).
 What is optional is chosen once, in __init__: how decode attention reads keys (on CPU per-request
 rows, minicore/model/decode_kv.py; else attention.py's gather), the CPU linear layers, both
-for every row and every token with --batch-invariant (docs/ARCHITECTURE.md), and the CPU norms
-and rotary embedding (minicore/model/cpu_layers.py), and on CPU a Llama model's layers as plain
-calls (minicore/model/llama_forward.py); the
-logprobs a request asks for come from a component (minicore/model/logprobs.py) that knows which
-requests asked; with speculative decoding, the sampling step verifies each request's drafts
-(minicore/model/rejection_sampler.py), which the state update appends to its token ids as vLLM
-writes them into its input batch, so that packing and the sampling test take them as they are.
+for every row and every token with batch invariance (the CPU's default; docs/ARCHITECTURE.md),
+and the CPU norms and rotary embedding (minicore/model/cpu_layers.py), and on CPU a Llama model's
+layers as plain calls (minicore/model/llama_forward.py); the logprobs a request asks for come
+from a component (minicore/model/logprobs.py) that knows which requests asked; with speculative
+decoding, the sampling step verifies each request's drafts (minicore/model/rejection_sampler.py),
+which the state update appends to its token ids as vLLM writes them into its input batch, so that
+packing and the sampling test take them as they are.
 Sleep mode and in-place weight loading are minicore/model/sleep_mode.py's. Left out: CUDA graphs,
 persistent input batches, pipeline/tensor parallelism.
 """
@@ -69,7 +69,7 @@ class ModelRunner(ModelRunnerBase):
         self.vocab_size = model.config.vocab_size
         self.block_size = config.cache_config.block_size
         use_paged_attention(model)
-        # Batch invariance (--batch-invariant): every linear layer by the native kernel and
+        # Batch invariance (on CPU by default): every linear layer by the native kernel and
         # every token a decode query of it, each summing in one order whatever the batch.
         self.batch_invariant = resolve_batch_invariant(config.model_config, self.device,
                                                        native_kernels())
