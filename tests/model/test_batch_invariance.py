@@ -1,9 +1,10 @@
-"""--batch-invariant (vLLM's VLLM_BATCH_INVARIANT=1): a greedy request's token ids and logprobs are
-a function of the request alone, bit for bit, in float32 and in bfloat16 (emulated where the CPU
-has no bfloat16 instructions): alone, beside 6 and 63 other requests of other lengths, with its
-prompt chunked at 16, 64 and 512 tokens, with ngram drafts, with async scheduling, and from the
-prefix cache; on the default model and on a tiny mixture-of-experts model. Without the flag the
-same comparisons differ (the first test shows it, so that the others cannot pass vacuously)."""
+"""Batch invariance (the CPU's default; --batch-invariant, vLLM's VLLM_BATCH_INVARIANT=1): a
+greedy request's token ids and logprobs are a function of the request alone, bit for bit, in
+float32 and in bfloat16 (emulated where the CPU has no bfloat16 instructions): alone, beside 6 and
+63 other requests of other lengths (by default), with its prompt chunked at 16, 64 and 512
+tokens, with ngram drafts, with async scheduling, and from the prefix cache; on the default model
+and on a tiny mixture-of-experts model. With --no-batch-invariant the same comparisons differ
+(the first test shows it, so that the others cannot pass vacuously)."""
 
 import random
 
@@ -70,9 +71,10 @@ def test_without_the_flag_the_batch_changes_the_logprobs(alone):
     assert beside != reference or chunked != reference
 
 
-def test_beside_63_others_and_from_the_prefix_cache(alone):
+def test_beside_63_others_and_from_the_prefix_cache_by_default(alone):
     _, reference = alone
-    llm = LLM(dtype=alone[0], **ENGINE)
+    default = {k: v for k, v in ENGINE.items() if k != "batch_invariant"}  # on CPU: on
+    llm = LLM(dtype=alone[0], **default)
     assert target_output(llm, [TARGET, *OTHERS]) == reference
     assert target_output(llm, [TARGET, *OTHERS[:6]], cached=True) == reference
 
