@@ -1,7 +1,8 @@
 """Where a single-stream decode step's time goes: one request (128 random prompt ids, 128 greedy
 tokens) profiled with cProfile, its cumulative times per token by part (the linear layers'
 kernels, decode attention, the model's forward, the LM head and sampling, the runner's step, the
-scheduler, the frontend's output processing), default and with --batch-invariant side by side.
+scheduler, the frontend's output processing), without and with batch invariance (the CPU's
+default) side by side.
 cProfile inflates Python's share; the unprofiled time per token is printed beside it.
 
     python benchmarks/profile_decode.py [--dtype auto]
@@ -65,7 +66,7 @@ def main() -> None:
     args = ap.parse_args()
     runs = [profile(args.dtype, invariant) for invariant in (False, True)]
     print(f"CPU: {cpu_description()}; dtype {args.dtype}")
-    names = ["invariant" if r["batch_invariant"] else "default" for r in runs]
+    names = ["invariant" if r["batch_invariant"] else "not invariant" for r in runs]
     print(f"{'ms per token':24}" + "".join(f"{name:>12}" for name in names))
     print(f"{'unprofiled':24}" + "".join(f"{r['ms_per_token']:>12.2f}" for r in runs))
     print(f"{'profiled':24}" + "".join(f"{r['profiled_ms_per_token']:>12.2f}" for r in runs))
