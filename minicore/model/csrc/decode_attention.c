@@ -197,7 +197,7 @@ INLINE void values32(const reads *r, int b, int h, int64_t first, int64_t len, c
         span s = chunk_span(r, 1, b, c, first, len, h, bf16);
         const char *v = s.rows;
         for (int64_t p = s.start; p < s.end; p++, v += row_bytes) {
-            v8 value[4];
+            v8 value[4] = {{0}};
             for (int j = 0; j < 4; j++)
                 if (j < vectors)
                     value[j] = elems8(v, d0 + 8 * j, bf16);

@@ -9,8 +9,6 @@
  * so and minicore/model/native.py uses linear.c. Built and loaded by native.py. */
 #include <stdint.h>
 
-#include "bf16.h"
-
 #define SLAB 128
 
 #ifdef __AVX512BF16__
