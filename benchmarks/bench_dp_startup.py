@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from machine import cpu_description  # noqa: E402
 
-from minicore.utils import free_port, free_port_pair  # noqa: E402
+from minicore.ports import free_port, free_port_pair  # noqa: E402
 
 CONFIGS = ("mp", "ray, running cluster", "ray, local instance")
 

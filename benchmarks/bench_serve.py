@@ -46,7 +46,7 @@ from machine import cpu_description  # noqa: E402
 from vllm_side import VENV  # noqa: E402
 
 from minicore.model.loader import load_tokenizer, resolve_model_dir  # noqa: E402
-from minicore.utils import free_port  # noqa: E402
+from minicore.ports import free_port  # noqa: E402
 
 SERVER_START_TIMEOUT_S = 900  # vLLM's CPU build compiles the model at startup
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minicore.utils import free_port_pair  # noqa: E402  (balance_study imports it from here)
+from minicore.ports import free_port_pair  # noqa: E402  (balance_study imports it from here)
 
 COLLECTIVES = ("all-gather", "all-reduce-max")
 WARMUP_ROUNDS = 20

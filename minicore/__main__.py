@@ -74,6 +74,10 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     groups["data parallel"].add_argument(
         "--headless", action="store_true",
         help="run only this machine's DP ranks, for a frontend on another machine")
+    groups["data parallel"].add_argument(
+        "--api-server-count", "-asc", type=_positive(int), default=1,
+        help="API server processes sharing the port, each talking to every engine (vLLM's flag; "
+             "vLLM defaults it to --data-parallel-size, minicore to 1)")
 
 
 def _add_http_limit_args(group: argparse._ArgumentGroup) -> None:
@@ -160,11 +164,22 @@ def _serve(args: argparse.Namespace) -> None:
     if args.headless:
         from minicore.dp.launch import run_headless
 
+        if args.api_server_count > 1:  # vLLM's message
+            raise ValueError(f"--api-server-count={args.api_server_count} cannot be used with "
+                             "--headless (no API servers are started in headless mode).")
         run_headless(config)
         return
     if config.parallel_config.data_parallel_start_rank != 0:
         raise ValueError("the frontend's machine runs the DP ranks from 0: "
                          "--data-parallel-start-rank is for --headless")
+    if args.api_server_count > 1:
+        from minicore.entrypoints.multi_api_server import run_multi_api_server
+
+        try:
+            run_multi_api_server(config, args)
+        except RuntimeError as e:  # a process of the service exited, or failed to start
+            raise SystemExit(f"minicore: {e}") from None
+        return
     uvloop.run(run_server(config, args))
 
 

@@ -139,6 +139,9 @@ class ParallelConfig:
     data_parallel_rpc_port: int = flag(
         29550, "the DP group's rendezvous port; the engines' handshake is on the next",
         aliases=("-dpp",))
+    # The frontends (API servers) an engine serves, from its handshake (vLLM's
+    # _api_process_count); `serve --api-server-count` sets how many.
+    api_server_count: int = field(default=1, metadata=RUNTIME)
     # vLLM's flag (vllm/engine/arg_utils.py). As in vLLM's DP deployments, the expert-parallel
     # group is the DP ranks themselves (minicore/model/expert_parallel.py).
     enable_expert_parallel: bool = flag(

@@ -1,7 +1,7 @@
-"""Small helpers shared by the frontend and the engine processes: ZMQ sockets, listening sockets,
-free ports and the GC heap.
+"""Small helpers shared by the frontend and the engine processes: ZMQ sockets, listening sockets
+and the GC heap.
 
-Mirrors make_zmq_socket and get_open_port (vllm/utils/network_utils.py) and freeze_gc_heap
+Mirrors make_zmq_socket (vllm/utils/network_utils.py) and freeze_gc_heap
 (vllm/utils/gc_utils.py). Every listener a deployment opens on a port it is told (the DP
 rendezvous, the engines' handshake, a NIXL side channel) is bound with listen_on or
 bind_zmq_socket, at startup, in the thread that starts it: a port in use is then a ListenError, one
@@ -11,7 +11,6 @@ buffer tuning, IPv6 address parsing.
 
 import errno
 import gc
-import random
 import socket
 
 import zmq
@@ -71,39 +70,6 @@ def bind_zmq_socket(ctx: zmq.Context, socket_type: int, host: str, port: int | s
         raise listen_error(e, host, port, what, setting, value, how) from None
 
 
-def free_port(span: int = 1) -> int:
-    """A port P on 127.0.0.1 with P .. P + span - 1 free, just now (span 2: a DP deployment listens
-    on P for the group's rendezvous and on P + 1 for the engines' handshake). It is drawn below the
-    kernel's ephemeral range, so no outgoing connection's local port takes it before it is bound."""
-    low = _ephemeral_port_range_start()
-    for _ in range(200):
-        port = random.randrange(10_000, low - span)
-        if all(_bindable(port + i) for i in range(span)):
-            return port
-    raise RuntimeError(f"no {span} free consecutive ports found below {low}")
-
-
-def free_port_pair() -> int:
-    return free_port(span=2)
-
-
-def _ephemeral_port_range_start() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default; macOS starts at 49152
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def freeze_gc_heap() -> None:
     """Move everything alive now (after startup: torch, transformers, the model, the tokenizer; a
     large, static heap) out of the garbage collector's reach: a full collection over it stalls the
@@ -112,16 +78,18 @@ def freeze_gc_heap() -> None:
     gc.freeze()
 
 
-def listen_on(address: str, port: int, what: str, setting: str) -> socket.socket:
+def listen_on(address: str, port: int, what: str, setting: str,
+              reuse_port: bool = False) -> socket.socket:
     """A TCP socket listening on address:port only, for what; a ListenError (a RuntimeError)
     naming the setting that chooses the port when it is in use, or the address when it is not
-    this machine's."""
+    this machine's. reuse_port: one of several on the port, the kernel spreading connections."""
     try:
         family, _, _, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             # A port left in TIME_WAIT by the previous server is fine; one in use is not.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, reuse_port)
             sock.bind(sockaddr)
             sock.listen(128)
         except OSError:

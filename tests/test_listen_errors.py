@@ -8,7 +8,8 @@ import socket
 import pytest
 import zmq
 
-from minicore.utils import ListenError, bind_zmq_socket, free_port_pair, listen_on
+from minicore.ports import free_port_pair
+from minicore.utils import ListenError, bind_zmq_socket, listen_on
 
 # TEST-NET-1 (RFC 5737): never an address of this machine.
 NOT_HERE = "192.0.2.1"

@@ -2,19 +2,21 @@
 
 Mirrors DPCoordinatorProc (vllm/v1/engine/coordinator.py: the engines' request counts, the wave
 number, START_DP_WAVE) and the engine choice of DPLBAsyncMPClient (vllm/v1/engine/core_client.py).
-vLLM runs its coordinator as a process of its own because several API server processes share it;
-minicore has one frontend, so the coordinator is an object on the frontend's event loop that
-DPLBAsyncMPClient (minicore/engine/core_client.py) consults as it sends requests and reads engine
+vLLM runs its coordinator as a process of its own, which gathers the engines' counts and publishes
+them to every API server; minicore's engines send every frontend their counts and wave news
+(minicore/engine/client_router.py), so the coordinator is an object on each frontend's event loop
+that its DPLBAsyncMPClient (minicore/dp/client.py) consults as it sends requests and reads engine
 outputs. It never does IO: it returns the START_DP_WAVE (wave, engine to skip) for the client to
-broadcast. The frontend's wave state lives here only; the engines' in DPEngineCoreProc.
+broadcast (several frontends may send the same one: an engine takes a wave's start once).
 
 Load: an engine's score is 4 * waiting + running, from the counts in its newest output frame, plus
 the requests sent to it that the engine had not yet received when it made that frame (every frame
-says how many it has received), so a burst spreads out before any engine answers.
+says how many of this frontend's it has received), so a burst spreads out before any engine
+answers.
 Liveness: EngineWatchdog (any number of engines, one alone too) turns the client dead when an
 engine stops answering, which no socket or process watch sees: a hung or SIGSTOPped engine, and in
 a DP wave every rank that waits for it in a collective, until gloo's own timeout (300 s).
-Left out: several frontends, elastic scaling.
+Left out: elastic scaling.
 """
 
 import asyncio

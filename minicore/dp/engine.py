@@ -73,14 +73,14 @@ class DPEngineCoreProc(EngineCoreProc):
             self.dp_group.destroy()
         if self._monitor is not None:
             # An open socket would hold up the context's termination forever.
-            self._input_socket.disable_monitor()
+            self._input_sockets[0].disable_monitor()
             self._monitor.close(linger=0)
         super().close(fatal)
 
     async def run(self) -> None:
         # A rank on another machine has no frontend parent to watch: it stops when the
         # frontend's end of its input socket goes away.
-        self._monitor = self._input_socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = self._input_sockets[0].get_monitor_socket(zmq.EVENT_DISCONNECTED)
         monitor = zmq.asyncio.Socket.from_socket(self._monitor)
 
         async def watch_frontend():

@@ -30,9 +30,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from minicore.config import EngineConfig
+from minicore.dp.client import DPLBAsyncMPClient
 from minicore.dp.engine import DPEngineCoreProc
 from minicore.engine.components import build_components
-from minicore.engine.core_client import DPLBAsyncMPClient
 from minicore.engine.launch import configure_engine_process, log_engine_config, resolve_model
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ FORWARDED_ENV_PREFIXES = ("MINICORE_", "VLLM_", "HF_", "TRANSFORMERS_")
 class RayDPEngineCoreProc(DPEngineCoreProc):
     """A DP rank whose frontend addresses were given at creation: nothing to handshake."""
 
-    def __init__(self, config: EngineConfig, addresses: dict[str, str], rank: int):
+    def __init__(self, config: EngineConfig, addresses: dict[str, list[str]], rank: int):
         self.addresses = addresses
         super().__init__(config, build_components, "", rank)
 
@@ -65,7 +65,7 @@ class DPEngineCoreActor:
     vLLM's is: Ray would make a class with coroutine methods an async actor, running them on its
     own event loop, where the engine runs on a uvloop of its own."""
 
-    def __init__(self, config: EngineConfig, addresses: dict[str, str], rank: int):
+    def __init__(self, config: EngineConfig, addresses: dict[str, list[str]], rank: int):
         configure_engine_process(config, rank)
         self.engine_core: RayDPEngineCoreProc | None = None
         self.startup_error: Exception | None = None
@@ -177,7 +177,7 @@ class CoreEngineActorManager:
         return (f", rank(s) {local} on this node ({self.here[:8]}, "
                 "--data-parallel-size-local)") if local else ""
 
-    def start_actors(self, addresses: dict[str, str]) -> None:
+    def start_actors(self, addresses: dict[str, list[str]]) -> None:
         actor_cls = ray.remote(DPEngineCoreActor)
         for rank, pg in enumerate(self.placement_groups):
             # Named as the mp backend's processes (unique within this frontend's Ray job).
@@ -256,7 +256,8 @@ class RayDPLBAsyncMPClient(DPLBAsyncMPClient):
     def _start_engine_processes(self) -> None:
         pass  # actors, placed by start() and started by _launch_engines once the sockets are bound
 
-    async def _launch_engines(self, addresses: dict[str, str], deadline: float) -> dict[int, int]:
+    async def _launch_engines(self, addresses: dict[str, list[str]],
+                              deadline: float) -> dict[int, int]:
         self.manager.start_actors(addresses)
         num_blocks = await self.manager.wait_for_init(deadline)
         for rank, future in enumerate(self.manager.run()):

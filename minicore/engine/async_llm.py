@@ -11,8 +11,8 @@ stream in flight ends with EngineDeadError at once. The control plane (vLLM's As
 wake_up, pause_generation, resume_generation, collective_rpc, the weight update) calls every
 engine's utility method (minicore/engine/control.py) and returns when all are done; while the
 engines are paused or asleep, new requests wait here, before any engine sees them (so no DP wave
-starts), and go on at resume. Left out: several API servers, logprobs, n > 1 fan-out (the server
-makes one request per choice), LoRA, pooling.
+starts), and go on at resume. Left out: logprobs, n > 1 fan-out (the server makes one request
+per choice), LoRA, pooling.
 """
 
 import asyncio
@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from minicore.config import EngineConfig
+from minicore.dp.client import engine_client_class
 from minicore.engine.control import PauseMode, check_pause_mode, check_sleep_level, wake_tags
 from minicore.engine.core_client import EngineDeadError, make_async_mp_client
 from minicore.engine.input_processor import InputProcessor, Prompt
@@ -72,7 +73,7 @@ class AsyncLLM:
         config = await asyncio.to_thread(resolve_model, config)
         mc = config.model_config
         tokenizer, vocab_size = await asyncio.to_thread(load_tokenizer, mc.model, mc.tokenizer)
-        client_cls = None
+        client_cls = engine_client_class(config)
         if config.parallel_config.data_parallel_backend == "ray":
             # Imported only here: Ray is an optional extra (minicore[ray]).
             from minicore.dp.ray_launch import RayDPLBAsyncMPClient as client_cls

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from minicore.config import CacheConfig, EngineConfig, SchedulerConfig
 from minicore.engine.batch_queue import BatchQueue
+from minicore.engine.client_router import ClientRouter, OneClient, make_client_router
 from minicore.engine.core import EngineCore
 from minicore.engine.input_processor import validate_prompt_token_ids, validate_sampling_params
 from minicore.kv_transfer.base import KVConnectorBase_V1
@@ -52,6 +53,8 @@ class EngineComponents:
     batch_queue: BatchQueue
     # Raises ValueError for a request the model cannot run, before it is scheduled.
     check_request: Callable[[Request], None]
+    # An engine process's frontends: OneClient, or with several API servers a ClientRouter.
+    client_router: OneClient | ClientRouter
 
 
 def build_components(config: EngineConfig, model=None, tokenizer=None,
@@ -84,7 +87,8 @@ def build_components(config: EngineConfig, model=None, tokenizer=None,
     # With async scheduling the runner proposes the drafts itself, right after it samples.
     drafter = NoDrafter() if async_scheduling else make_drafter(config)
     return EngineComponents(info, model_runner, kv_connectors, so_manager, scheduler, drafter,
-                            BatchQueue(2 if async_scheduling else 1), check_request)
+                            BatchQueue(2 if async_scheduling else 1), check_request,
+                            make_client_router(config.parallel_config.api_server_count))
 
 
 def make_engine_core(config: EngineConfig, model=None, tokenizer=None) -> EngineCore:

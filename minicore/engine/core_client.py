@@ -1,11 +1,12 @@
 """The frontend's side of the engine sockets: requests out, outputs in, engines watched.
 
-Mirrors AsyncMPClient and DPLBAsyncMPClient in vllm/v1/engine/core_client.py. make_async_mp_client
-starts this machine's engine processes (minicore/engine/launch.py), then binds the sockets every
-engine connects to (ranks on other machines too), and waits for each engine's READY. Requests and
-aborts leave on a ROUTER socket (msgspec msgpack, one frame per message, never blocking), outputs
-arrive on a PULL socket. With data parallelism, DPLBAsyncMPClient picks each request's engine and
-keeps the engines' waves going with a DPCoordinator (minicore/dp/coordinator.py).
+Mirrors AsyncMPClient in vllm/v1/engine/core_client.py. make_async_mp_client starts this
+machine's engine processes (minicore/engine/launch.py), then binds the sockets every engine
+connects to (ranks on other machines too), and waits for each engine's READY; an API server of
+several attaches to engines its launcher started (attach). Requests and aborts leave on a ROUTER
+socket (msgspec msgpack, one frame per message, never blocking), outputs arrive on a PULL socket.
+With data parallelism, DPLBAsyncMPClient (minicore/dp/client.py) picks each request's engine and
+keeps the engines' waves going.
 
 Supervision: when a local engine process exits, a remote engine (a headless DP rank) sends
 ENGINE_CORE_DEAD, or a send to an engine fails, the client turns dead: it stops the other local
@@ -15,8 +16,8 @@ answering a ping, for MINICORE_ENGINE_ITERATION_TIMEOUT_S (60 s) is declared hun
 effect (EngineWatchdog, minicore/dp/coordinator.py). No other frame can do that: one that does not
 decode, or names no engine, is dropped (logged, rate-limited), and a local ENGINE_CORE_DEAD only
 announces the exit the process watch then sees. The input ROUTER reads nothing after startup (a
-few small frames per peer at most). Left out: several API servers sharing one coordinator process,
-elastic scaling, socket authentication (docs/DATA_PARALLEL.md says what is exposed).
+few small frames per peer at most). Left out: elastic scaling, socket authentication
+(docs/DATA_PARALLEL.md says what is exposed).
 """
 
 import asyncio
@@ -34,7 +35,7 @@ import zmq
 import zmq.asyncio
 
 from minicore.config import EngineConfig
-from minicore.dp.coordinator import DPCoordinator, make_watchdog
+from minicore.dp.coordinator import make_watchdog
 from minicore.engine.launch import CoreEngineProcManager, wait_for_engine_startup
 from minicore.engine.worker_rpc import encode_callable
 from minicore.protocol import (
@@ -59,12 +60,9 @@ class EngineDeadError(RuntimeError):
 
 
 async def make_async_mp_client(config: EngineConfig, startup_timeout: float,
-                               client_cls: type["AsyncMPClient"] | None = None) -> "AsyncMPClient":
-    """Start the engines and wait until every one (local or not) is READY. client_cls: default
-    DPLBAsyncMPClient with data parallelism, else AsyncMPClient."""
-    if client_cls is None:
-        dp = config.parallel_config.data_parallel_size > 1
-        client_cls = DPLBAsyncMPClient if dp else AsyncMPClient
+                               client_cls: type["AsyncMPClient"]) -> "AsyncMPClient":
+    """Start the engines and wait until every one (local or not) is READY. client_cls:
+    AsyncMPClient, or for data parallelism DPLBAsyncMPClient (minicore/dp/client.py)."""
     client = client_cls(config)
     try:
         await client.start(startup_timeout)
@@ -121,9 +119,11 @@ class AsyncMPClient:
             return f"tcp://{pc.data_parallel_address}:{pc.data_parallel_rpc_port + 1}"
         return f"tcp://{pc.data_parallel_address}:*"
 
-    def _bind(self, socket_type: int, name: str, **options) -> zmq.Socket:
-        """Bind at _address; the handshake's port in use: a ListenError naming the flag."""
-        pc, address = self.config.parallel_config, self._address(name)
+    def _bind(self, socket_type: int, name: str, address: str | None = None,
+              **options) -> zmq.Socket:
+        """Bind at address (default: _address); the handshake's port in use: a ListenError
+        naming the flag."""
+        pc, address = self.config.parallel_config, address or self._address(name)
         try:
             return make_zmq_socket(self.ctx, address, socket_type, bind=True, **options)
         except zmq.ZMQError as e:
@@ -138,22 +138,37 @@ class AsyncMPClient:
         # The engine processes before any socket: a forked engine would hold the frontend's
         # listening sockets, their ports in use for as long as it lives.
         self._start_engine_processes()
-        # Sync: sends never block (no high-water mark) and cost no future each.
-        self.input_socket = self._bind(zmq.ROUTER, "input", rcvhwm=INPUT_RCVHWM,
-                                       max_msg_size=INPUT_MAX_MSG_BYTES)
-        # Sending to an engine that is gone raises instead of dropping the message silently.
-        self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        output_socket = self._bind(zmq.PULL, "output")
-        self.output_socket = zmq.asyncio.Socket.from_socket(output_socket)
-        self.num_blocks = await self._launch_engines({
-            "input": self.input_socket.getsockopt_string(zmq.LAST_ENDPOINT),
-            "output": output_socket.getsockopt_string(zmq.LAST_ENDPOINT)}, deadline)
+        self.num_blocks = await self._launch_engines(self._bind_sockets(), deadline)
         self._take_first_input_frames(deadline)
         self.watchdog.start()
         logger.info("%d engine core(s) ready: KV blocks by engine %s", self.num_engines,
                     self.num_blocks)
 
-    async def _launch_engines(self, addresses: dict[str, str], deadline: float) -> dict[int, int]:
+    def attach(self, input_address: str, output_address: str, num_blocks: dict[int, int],
+               timeout: float) -> None:
+        """Instead of start, for one API server of several (minicore/entrypoints/
+        multi_api_server.py): their launcher started the engines and gave them these addresses
+        among the others'."""
+        self._bind_sockets(input_address, output_address)
+        self.num_blocks = num_blocks
+        self._take_first_input_frames(time.monotonic() + timeout)
+        self.watchdog.start()
+
+    def _bind_sockets(self, input_address: str | None = None,
+                      output_address: str | None = None) -> dict[str, list[str]]:
+        """The engines' input ROUTER and output PULL; returns their addresses for the engines."""
+        # Sync: sends never block (no high-water mark) and cost no future each.
+        self.input_socket = self._bind(zmq.ROUTER, "input", input_address, rcvhwm=INPUT_RCVHWM,
+                                       max_msg_size=INPUT_MAX_MSG_BYTES)
+        # Sending to an engine that is gone raises instead of dropping the message silently.
+        self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        output_socket = self._bind(zmq.PULL, "output", output_address)
+        self.output_socket = zmq.asyncio.Socket.from_socket(output_socket)
+        return {"inputs": [self.input_socket.getsockopt_string(zmq.LAST_ENDPOINT)],
+                "outputs": [output_socket.getsockopt_string(zmq.LAST_ENDPOINT)]}
+
+    async def _launch_engines(self, addresses: dict[str, list[str]],
+                              deadline: float) -> dict[int, int]:
         """Answer every engine's handshake (remote ones too) with the addresses; returns each
         engine's KV blocks. The Ray backend starts its actors here (minicore/dp/ray_launch.py)."""
         handshake = zmq.asyncio.Socket.from_socket(self._bind(zmq.ROUTER, "handshake"))
@@ -348,53 +363,3 @@ class AsyncMPClient:
             self.output_socket.close(linger=0)
         self.ctx.destroy(linger=0)
         shutil.rmtree(self._tmpdir, ignore_errors=True)
-
-
-class DPLBAsyncMPClient(AsyncMPClient):
-    """Several engines: each request goes to the least loaded (or the one it names), and the
-    engines' waves are started as requests arrive."""
-
-    def __init__(self, config: EngineConfig):
-        super().__init__(config)
-        self.coordinator = DPCoordinator(self.num_engines)
-        # The engine of every request in flight, for its abort.
-        self.reqs_in_flight: dict[str, int] = {}
-
-    def add_request(self, request: EngineCoreRequest) -> int:
-        engine_index = self.coordinator.select_engine(request.data_parallel_rank)
-        request.current_wave = self.coordinator.current_wave
-        self._send(EngineCoreRequestType.ADD, request, engine_index)
-        self.reqs_in_flight[request.request_id] = engine_index
-        if (start := self.coordinator.on_request_sent(engine_index)) is not None:
-            self._start_wave(*start)
-        return engine_index
-
-    def abort_requests(self, request_ids: list[str]) -> None:
-        by_engine: dict[int, list[str]] = {}
-        for request_id in request_ids:
-            if (engine_index := self.reqs_in_flight.pop(request_id, None)) is not None:
-                by_engine.setdefault(engine_index, []).append(request_id)
-        for engine_index, ids in by_engine.items():
-            self._send(EngineCoreRequestType.ABORT, ids, engine_index, raise_if_dead=False)
-
-    def resume_waves(self) -> None:
-        """After a resume, requests kept through the pause must step again: wake every engine
-        (a rank that steps alone would wait in a collective for its peers)."""
-        if self.reqs_in_flight and not self.coordinator.engines_running:
-            self.coordinator.engines_running = True
-            self._start_wave(self.coordinator.current_wave, -1)
-
-    def _start_wave(self, wave: int, exclude_engine_index: int) -> None:
-        """Wake the engines for a wave (the one given the request that starts it wakes itself)."""
-        for engine_index in range(self.num_engines):
-            if engine_index != exclude_engine_index:
-                self._send(EngineCoreRequestType.START_DP_WAVE, (wave, exclude_engine_index),
-                           engine_index, raise_if_dead=False)
-
-    def _process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:
-        super()._process_engine_outputs(outputs)
-        if (start := self.coordinator.on_outputs(outputs)) is not None:
-            self._start_wave(*start)
-        for output in outputs.outputs:
-            if output.finished:
-                self.reqs_in_flight.pop(output.request_id, None)

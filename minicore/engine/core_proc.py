@@ -10,7 +10,7 @@ has requests (Scheduler.has_requests), polling every KV_POLL_INTERVAL_S when a s
 nothing. With async scheduling a step is EngineCore.step_with_batch_queue's, awaited: the next
 schedule runs on the loop while the forward thread runs the step before. Data parallelism is
 DPEngineCoreProc's (minicore/dp/engine.py); UTILITY calls, ProcControl's
-(minicore/engine/control.py). Left out: several frontends per engine, preprocessing caches.
+(minicore/engine/control.py); several frontends, ClientRouter's. Left out: preprocessing caches.
 """
 
 import asyncio
@@ -74,15 +74,21 @@ class EngineCoreProc(ProcControl, EngineCore):
         identity = engine_index.to_bytes(2, "little")
         self.ctx = zmq.Context()
         with self._perform_handshakes(handshake_address, identity, handshake_timeout) as addresses:
-            self._input_socket = make_zmq_socket(self.ctx, addresses["input"], zmq.DEALER,
-                                                 bind=False, identity=identity)
-            # Linger, so that ENGINE_CORE_DEAD still leaves when the process exits on an error.
-            self._output_socket = make_zmq_socket(self.ctx, addresses["output"], zmq.PUSH,
-                                                  bind=False, linger=4000)
-            # The frontend's ROUTER can route to this engine only once it has heard from it.
-            self._input_socket.send(b"")
+            # A DEALER and a PUSH per frontend (several API servers: vLLM's client_count);
+            # outputs linger, so that ENGINE_CORE_DEAD still leaves when the process exits.
+            self._input_sockets = [make_zmq_socket(self.ctx, address, zmq.DEALER, bind=False,
+                                                   identity=identity)
+                                   for address in addresses["inputs"]]
+            self._output_sockets = [make_zmq_socket(self.ctx, address, zmq.PUSH, bind=False,
+                                                    linger=4000)
+                                    for address in addresses["outputs"]]
+            for socket in self._input_sockets:  # a ROUTER routes only to peers it has heard
+                socket.send(b"")
+            config.parallel_config.api_server_count = len(self._output_sockets)
             self._init_data_parallel(config)
-            super().__init__(config, build_components(config))
+            components = build_components(config)
+            self.client_router = components.client_router
+            super().__init__(config, components)
             freeze_gc_heap()
         self._decoders = {
             EngineCoreRequestType.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
@@ -113,7 +119,7 @@ class EngineCoreProc(ProcControl, EngineCore):
                 raise RuntimeError(f"the frontend did not answer this engine's HELLO within "
                                    f"{timeout:g} s (handshake socket {address})")
             try:
-                yield msgspec.msgpack.decode(handshake.recv(), type=dict[str, str])
+                yield msgspec.msgpack.decode(handshake.recv(), type=dict[str, list[str]])
             except Exception as e:  # to the frontend at once: a headless rank's it cannot see
                 error = f"{type(e).__name__}: {e}"
                 handshake.send(msgspec.msgpack.encode({"status": "FAILED", "error": error}))
@@ -134,8 +140,8 @@ class EngineCoreProc(ProcControl, EngineCore):
             loop.add_signal_handler(sig, self._request_shutdown)
         self.input_queue: asyncio.Queue[tuple[Any, Any]] = asyncio.Queue()
         self.output_queue: asyncio.Queue[EngineCoreOutputs | bytes] = asyncio.Queue()
-        self.input_socket = zmq.asyncio.Socket.from_socket(self._input_socket)
-        self.output_socket = zmq.asyncio.Socket.from_socket(self._output_socket)
+        self.input_sockets = list(map(zmq.asyncio.Socket.from_socket, self._input_sockets))
+        self.output_sockets = list(map(zmq.asyncio.Socket.from_socket, self._output_sockets))
         input_task = asyncio.create_task(self.process_input_sockets())
         self.output_task = asyncio.create_task(self.process_output_sockets())
         for task in (input_task, self.output_task):
@@ -179,31 +185,37 @@ class EngineCoreProc(ProcControl, EngineCore):
         """Close the sockets (the output socket lingers after a fatal error so that
         ENGINE_CORE_DEAD is delivered)."""
         self.shutdown()
-        self._input_socket.close(linger=0)
-        self._output_socket.close(linger=4000 if fatal else 0)
+        for input_socket, output_socket in zip(self._input_sockets, self._output_sockets):
+            input_socket.close(linger=0)
+            output_socket.close(linger=4000 if fatal else 0)
         self.ctx.term()
 
     # ---- socket IO -----------------------------------------------------------------------------
 
     async def process_input_sockets(self) -> None:
-        """Decode each frontend message onto the input queue; drop (and log) malformed ones."""
+        """Decode each frontend's messages onto the input queue; drop (and log) malformed ones."""
+        await asyncio.gather(*map(self._read_frontend, range(len(self.input_sockets))))
+
+    async def _read_frontend(self, client: int) -> None:
         while True:
-            self._enqueue(await self.input_socket.recv_multipart())
+            self._enqueue(client, await self.input_sockets[client].recv_multipart())
             # Take what else has arrived without an asyncio future per message (a burst of
             # requests costs a third less this way).
             while True:
                 try:
-                    frames = self._input_socket.recv_multipart(zmq.NOBLOCK)
+                    frames = self._input_sockets[client].recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                self._enqueue(frames)
+                self._enqueue(client, frames)
 
-    def _enqueue(self, frames: list[bytes]) -> None:
+    def _enqueue(self, client: int, frames: list[bytes]) -> None:
         try:
-            self.input_queue.put_nowait(self._decode_request(frames))
+            item = self.client_router.on_input(client, *self._decode_request(frames))
+            self.input_queue.put_nowait(item)
         except (ValueError, msgspec.MsgspecError) as e:
             if (header := _add_request_header(frames)) is not None:
                 # Refuse it by name, or its sender would wait for it forever.
+                self.client_router.on_add(client, header[0])
                 self.input_queue.put_nowait((_UNDECODABLE_ADD, (*header, str(e))))
                 return
             logger.error("EngineCore %d dropped a malformed message (%d frames, %d bytes): %s",
@@ -221,9 +233,11 @@ class EngineCoreProc(ProcControl, EngineCore):
         while True:
             outputs = await self.output_queue.get()
             if outputs == ENGINE_CORE_DEAD:
-                await self.output_socket.send(engine_dead_frame(self.engine_index))
+                for output_socket in self.output_sockets:
+                    await output_socket.send(engine_dead_frame(self.engine_index))
                 return
-            await self.output_socket.send(encoder.encode(outputs))
+            for client, frame in self.client_router.route(outputs):
+                await self.output_sockets[client].send(encoder.encode(frame))
 
     async def _send_engine_dead(self) -> None:
         """Queue ENGINE_CORE_DEAD behind any pending outputs and wait (bounded) until it is sent."""

@@ -7,7 +7,7 @@ point of every engine process. The frontend (minicore/engine/core_client.py) and
 
 Startup handshake (the frontend binds, every engine connects, in any order):
   engine -> frontend  HELLO {"status": "HELLO", "engine_index": i}          (handshake socket)
-  frontend -> engine  {"input": address, "output": address}
+  frontend -> engine  {"inputs": [address], "outputs": [address]} (one each per API server)
   engine connects its DEALER input (identity = i as 2 bytes) and PUSH output, sends an empty frame
   on the input so the frontend's ROUTER learns its identity, builds its EngineCore (loads the
   model), then: engine -> frontend  READY {"status": "READY", "num_gpu_blocks": KV blocks}
@@ -15,7 +15,8 @@ Startup handshake (the frontend binds, every engine connects, in any order):
   frontend stops at once, naming it and the cause (a local engine's exit already tells it)
 An engine that cannot start logs why (one line for a bad configuration or a port in use) and exits
 1; one still starting stops on SIGTERM/SIGINT within a second even when blocked in C++, as a DP
-rank waiting in torch's rendezvous is. Left out: Ray, elastic scaling, several API servers.
+rank waiting in torch's rendezvous is. Several API servers: entrypoints/multi_api_server.py.
+Left out: Ray (minicore/dp/ray_launch.py), elastic scaling.
 """
 
 import asyncio

@@ -6,9 +6,9 @@ and the response helpers are in utils.py) and vllm/entrypoints/launcher.py (serv
 our own event loop, on a socket bound before the engine starts; on SIGTERM stop accepting, abort
 the requests in flight, stop the engine, and exit 0). What a client may hold or send is bounded
 (utils.HttpLimits). The endpoints' logic is in serving.py. Left out: the other OpenAI endpoints
-(embeddings, audio, responses), CORS and SSL options, multiple API servers. vLLM's development and
-RL endpoints (/sleep, /pause, /collective_rpc, the weight update, ...) are dev_endpoints.py's,
-mounted with VLLM_SERVER_DEV_MODE=1.
+(embeddings, audio, responses), CORS and SSL options. Several API servers: multi_api_server.py.
+vLLM's development and RL endpoints (/sleep, /pause, /collective_rpc, the weight update, ...) are
+dev_endpoints.py's, mounted with VLLM_SERVER_DEV_MODE=1.
 """
 
 import asyncio
@@ -303,11 +303,12 @@ async def run_server(config: EngineConfig, args) -> None:
     # while an orphaned engine lives on.
     os.register_at_fork(after_in_child=sock.close)
     with sock:
-        await _serve(config, args, sock, await _start_engine(config))
+        await serve_http(config, args, sock, await _start_engine(config))
 
 
-async def _serve(config: EngineConfig, args, sock: socket.socket, client: AsyncLLM) -> None:
-    """Serve HTTP on sock until SIGTERM/SIGINT; the engine is stopped at the end."""
+async def serve_http(config: EngineConfig, args, sock: socket.socket, client: AsyncLLM) -> None:
+    """Serve HTTP on sock until SIGTERM/SIGINT; the engine client is shut down at the end (an
+    API server of several: minicore/entrypoints/multi_api_server.py)."""
     try:
         model_names = args.served_model_name or [client.model_name]
         so_config = config.structured_outputs_config

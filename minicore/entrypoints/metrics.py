@@ -32,6 +32,7 @@ and watermark requests, admission rejections (no queue limits), prompt tokens by
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -45,6 +46,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.gc_collector import GCCollector
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
@@ -57,6 +59,9 @@ from minicore.spec_decode.metrics import sum_spec_stats
 logger = logging.getLogger("minicore.stats")
 
 DEFAULT_PREFIX = "vllm"
+# prometheus_client's: set (by `serve --api-server-count`) before it is imported, it keeps every
+# metric's values in files there, which each API server's /metrics sums.
+MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # The control-plane operations' buckets, seconds (vLLM's).
 OPERATION_BUCKETS = (0.01, 0.1, 1, 10, 30, 60, 120, 300, 600)
 
@@ -206,7 +211,7 @@ class OperationMetrics:
                                   buckets=OPERATION_BUCKETS, registry=registry)
         self.in_flight = Gauge(f"{prefix}:{name}_operations_in_flight",
                                f"{kind.capitalize()} operations currently awaited.",
-                               ["operation"], registry=registry)
+                               ["operation"], registry=registry, multiprocess_mode="livesum")
 
     @contextmanager
     def record(self, operation: str) -> Iterator[None]:
@@ -230,11 +235,18 @@ class ServerMetrics:
                  num_blocks: int | None = None):
         config = config or EngineConfig()
         self.registry = reg = CollectorRegistry()
-        ProcessCollector(registry=reg)
-        PlatformCollector(registry=reg)
-        GCCollector(registry=reg)
+        if multiprocess_dir := os.environ.get(MULTIPROCESS_DIR_ENV):
+            # One API server of several: every server's counters and histograms, summed from the
+            # files prometheus_client writes there (vLLM's registry then; no process_*, as its).
+            self.exposed = CollectorRegistry()
+            MultiProcessCollector(self.exposed, multiprocess_dir)
+        else:
+            self.exposed = reg
+            ProcessCollector(registry=reg)
+            PlatformCollector(registry=reg)
+            GCCollector(registry=reg)
         speculative = config.speculative_config
-        reg.register(SchedulerStatsCollector(
+        self.exposed.register(SchedulerStatsCollector(
             prefix, model_name, stats, speculative.num_speculative_tokens if speculative else 0))
         self.model_name, self.num_engines = model_name, num_engines
 
@@ -270,9 +282,10 @@ class ServerMetrics:
                 str(getattr(cache_config, f.name)) for f in dataclasses.fields(cache_config)}
         cache_info = Gauge(f"{prefix}:cache_config_info",
                            "Information of the LLMEngine CacheConfig", list(info) + ["engine"],
-                           registry=self.registry)
+                           registry=self.registry, multiprocess_mode="mostrecent")
         self.sleep_state = Gauge(f"{prefix}:engine_sleep_state", SLEEP_STATE_HELP,
-                                 LABELS + ["sleep_state"], registry=self.registry)
+                                 LABELS + ["sleep_state"], registry=self.registry,
+                                 multiprocess_mode="mostrecent")
         for e in range(self.num_engines):
             cache_info.labels(**info, engine=str(e)).set(1)
         self.set_sleep_levels([0] * self.num_engines)
@@ -343,7 +356,7 @@ class ServerMetrics:
             h["max_tokens"][engine].observe(params.max_tokens)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.exposed)
 
 
 class StatsLogger:

@@ -13,7 +13,7 @@ from minicore.config import create_engine_config
 from minicore.engine.async_llm import AsyncLLM
 from minicore.model.config import SimulatedCost
 from minicore.model.simulated import next_token, read_vocab
-from minicore.utils import free_port, free_port_pair  # noqa: F401  (the DP tests import it from here)
+from minicore.ports import free_port, free_port_pair  # noqa: F401  (the DP tests import it from here)
 
 STARTUP_TIMEOUT_S = 120
 # Waves end at the every-32-steps sync: even slow steps on a loaded machine end one well within

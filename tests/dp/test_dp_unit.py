@@ -13,8 +13,8 @@ from minicore.config import create_engine_config
 from minicore.dp.coordinator import DPCoordinator
 from minicore.entrypoints.openai_protocol import OpenAIError
 from minicore.entrypoints.serving import OpenAIServing
+from minicore.ports import free_port
 from minicore.protocol import EngineCoreOutputs, SchedulerStats
-from minicore.utils import free_port
 
 CLI_TIMEOUT_S = 60
 

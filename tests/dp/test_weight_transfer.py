@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from minicore.dp.weight_transfer import join_as_engine, trainer_init
-from minicore.utils import free_port
+from minicore.ports import free_port
 
 
 def test_a_trainer_broadcasts_to_every_engine_rank():

@@ -58,7 +58,7 @@ class FakeFrontend:
         assert hello["status"] == "HELLO"
         self.identity = identity
         self.handshake.send_multipart([identity, msgspec.msgpack.encode(
-            {"input": self._address("input"), "output": self._address("output")})])
+            {"inputs": [self._address("input")], "outputs": [self._address("output")]})])
         _, ready = self.recv(self.handshake, timeout)
         assert self.recv(self.input, timeout) == [identity, b""]
         return msgspec.msgpack.decode(ready)

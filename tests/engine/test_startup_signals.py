@@ -10,7 +10,7 @@ import time
 from engine_helpers import FakeFrontend, simulated_config
 
 from minicore.engine.launch import STARTUP_SIGNAL_GRACE_S, run_engine_core
-from minicore.utils import free_port_pair
+from minicore.ports import free_port_pair
 
 EXIT_WITHIN_S = STARTUP_SIGNAL_GRACE_S + 3.0
 
@@ -22,7 +22,7 @@ def test_sigterm_stops_a_rank_blocked_in_the_rendezvous():
         identity, hello = frontend.hello()
         assert hello == {"status": "HELLO", "engine_index": 1}
         frontend.handshake.send_multipart([identity, frontend.encoder.encode(
-            {"input": frontend._address("input"), "output": frontend._address("output")})])
+            {"inputs": [frontend._address("input")], "outputs": [frontend._address("output")]})])
         # Its first input frame comes just before it joins the DP group, where it blocks.
         assert frontend.recv(frontend.input, 30) == [identity, b""]
         time.sleep(1.0)

@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from minicore.utils import free_port  # noqa: F401  (the server tests import it from here)
+from minicore.ports import free_port  # noqa: F401  (the server tests import it from here)
 
 STARTUP_TIMEOUT_S = 180
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from server_helpers import ServerProcess, run_python
 
-from minicore.utils import free_port_pair
+from minicore.ports import free_port_pair
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -27,6 +27,7 @@ from minicore.entrypoints.metrics import (
     StatsLogger,
     build_1_2_5_buckets,
 )
+from minicore.ports import free_port_pair
 from minicore.protocol import (
     EngineCoreEvent,
     EngineCoreEventType,
@@ -38,7 +39,6 @@ from minicore.protocol import (
 from minicore.request import FinishReason, RequestStatus
 from minicore.sampling_params import SamplingParams
 from minicore.testing import make_request, make_scheduler, step
-from minicore.utils import free_port_pair
 
 MODEL = "m"
 QUEUED, SCHEDULED, PREEMPTED = (EngineCoreEventType.QUEUED, EngineCoreEventType.SCHEDULED,

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from server_helpers import free_port, start_minicore
 
-from minicore.utils import free_port_pair
+from minicore.ports import free_port_pair
 
 EXIT_AFTER_ERROR_S = 10.0
 # Until the line: the frontend and two engine processes (simulated), or a model load too, on a

@@ -17,7 +17,7 @@ import torch
 from server_helpers import ServerProcess
 
 from minicore.dp.weight_transfer import trainer_init
-from minicore.utils import free_port, free_port_pair
+from minicore.ports import free_port, free_port_pair
 
 pytestmark = pytest.mark.model
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from nixl_peer import LOCAL_BLOCKS
 
-from minicore.utils import free_port_pair
+from minicore.ports import free_port_pair
 
 ROOT = Path(__file__).resolve().parents[2]
 PEER = Path(__file__).with_name("nixl_peer.py")

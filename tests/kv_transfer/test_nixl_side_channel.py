@@ -20,7 +20,8 @@ from minicore.kv_transfer import nixl_worker
 from minicore.kv_transfer.config import KVTransferConfig
 from minicore.kv_transfer.nixl_metadata import NixlConnectorMetadata, ReqMeta
 from minicore.kv_transfer.nixl_worker import GET_META_MSG, NixlAgentMetadata, NixlConnectorWorker
-from minicore.utils import ListenError, free_port_pair
+from minicore.ports import free_port_pair
+from minicore.utils import ListenError
 
 NUM_BLOCKS = 4
 

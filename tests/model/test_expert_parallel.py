@@ -18,7 +18,7 @@ from minicore.model.expert_parallel import (
     check_expert_parallel,
     determine_expert_map,
 )
-from minicore.utils import free_port
+from minicore.ports import free_port
 
 RANKS = 2
 TIMEOUT_S = 120
