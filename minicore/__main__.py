@@ -75,6 +75,10 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--headless", action="store_true",
         help="run only this machine's DP ranks, for a frontend on another machine")
     groups["data parallel"].add_argument(
+        "--data-parallel-rank", "-dpn", type=int, default=None,
+        help="this instance's one DP rank, behind an external load balancer (vLLM's flag: sets "
+             "--data-parallel-external-lb)")
+    groups["data parallel"].add_argument(
         "--api-server-count", "-asc", type=_positive(int), default=1,
         help="API server processes sharing the port, each talking to every engine (vLLM's flag; "
              "vLLM defaults it to --data-parallel-size, minicore to 1)")
@@ -131,6 +135,22 @@ def check_local_paths(config) -> None:
             check_local(path, what)
 
 
+def _infer_load_balancing(args: argparse.Namespace) -> None:
+    """vLLM's serve rules: --data-parallel-rank R is external load balancing with rank R here;
+    --data-parallel-start-rank without --headless is hybrid."""
+    if args.data_parallel_rank is not None:
+        if args.headless:
+            raise ValueError("--data-parallel-rank is an external load balancer's instance; "
+                             "--headless ranks take --data-parallel-start-rank")
+        args.data_parallel_external_lb = True
+        args.data_parallel_start_rank = args.data_parallel_rank
+    elif args.data_parallel_external_lb:
+        raise ValueError("`--data-parallel-external-lb` requires a data-parallel rank. Set "
+                         "`--data-parallel-rank`.")
+    elif args.data_parallel_start_rank and not args.headless:
+        args.data_parallel_hybrid_lb = True
+
+
 def _serve(args: argparse.Namespace) -> None:
     # Ctrl+C or SIGTERM during the imports below ends the process quietly, exit status 0.
     from minicore.entrypoints.utils import exit_zero_after_shutdown_signals
@@ -147,6 +167,7 @@ def _serve(args: argparse.Namespace) -> None:
     if args.tool_call_parser and args.tool_call_parser not in ToolParserManager.list_registered():
         raise ValueError(f"--tool-call-parser {args.tool_call_parser!r} is not a tool parser; "
                          f"they are {', '.join(ToolParserManager.list_registered())}")
+    _infer_load_balancing(args)
     config = create_engine_config(**engine_kwargs_from_cli(args),
                                   reasoning_parser=args.reasoning_parser)
     check_local_paths(config)
@@ -169,9 +190,6 @@ def _serve(args: argparse.Namespace) -> None:
                              "--headless (no API servers are started in headless mode).")
         run_headless(config)
         return
-    if config.parallel_config.data_parallel_start_rank != 0:
-        raise ValueError("the frontend's machine runs the DP ranks from 0: "
-                         "--data-parallel-start-rank is for --headless")
     if args.api_server_count > 1:
         from minicore.entrypoints.multi_api_server import run_multi_api_server
 

@@ -139,9 +139,19 @@ class ParallelConfig:
     data_parallel_rpc_port: int = flag(
         29550, "the DP group's rendezvous port; the engines' handshake is on the next",
         aliases=("-dpp",))
-    # The frontends (API servers) an engine serves, from its handshake (vLLM's
-    # _api_process_count); `serve --api-server-count` sets how many.
-    api_server_count: int = field(default=1, metadata=RUNTIME)
+    # vLLM's load-balancing modes (vllm/engine/arg_utils.py): a frontend per DP rank (external;
+    # `serve --data-parallel-rank R` sets it) or per machine (hybrid: --data-parallel-start-rank
+    # without --headless), each sending requests to its own ranks only; the waves stay in step
+    # through a coordinator on rank 0's machine (WaveCoordinator, minicore/dp/client.py).
+    data_parallel_external_lb: bool = flag(
+        False, "a frontend per DP rank (set by --data-parallel-rank), its own port, an external "
+               "load balancer in front; waves still coordinated from rank 0's machine")
+    data_parallel_hybrid_lb: bool = flag(
+        False, "a frontend per machine, balancing over that machine's DP ranks (inferred from "
+               "--data-parallel-start-rank without --headless; rank 0's machine passes it)")
+    # The clients an engine serves, from its handshake (vLLM's client_count): its API servers
+    # and, with external or hybrid load balancing, the wave coordinator.
+    client_count: int = field(default=1, metadata=RUNTIME)
     # vLLM's flag (vllm/engine/arg_utils.py). As in vLLM's DP deployments, the expert-parallel
     # group is the DP ranks themselves (minicore/model/expert_parallel.py).
     enable_expert_parallel: bool = flag(
@@ -165,6 +175,8 @@ class ParallelConfig:
                 raise ValueError(f"{flag} {getattr(self, name)} is not supported by minicore: "
                                  "only 1 (scale out with --data-parallel-size)")
         check_at_least(self, data_parallel_size=1)
+        if self.data_parallel_external_lb or self.data_parallel_hybrid_lb:
+            self._resolve_load_balancing()
         if self.data_parallel_size_local is None:
             self.data_parallel_size_local = self.data_parallel_size - self.data_parallel_start_rank
         if self.data_parallel_backend == "ray":
@@ -197,10 +209,45 @@ class ParallelConfig:
                              "0 to --data-parallel-size-local - 1 (at least rank 0) on the "
                              "frontend's node, no --data-parallel-start-rank; Ray places the rest")
 
+    def _resolve_load_balancing(self) -> None:
+        """vLLM's rules (EngineArgs.create_engine_config): external load balancing runs one rank
+        here; hybrid needs --data-parallel-size-local, and with one local rank is external."""
+        if self.data_parallel_external_lb and self.data_parallel_hybrid_lb:
+            raise ValueError("`--data-parallel-hybrid-lb` and `--data-parallel-external-lb` cannot "
+                             "be enabled together. Enable only one load-balancing mode.")
+        if self.data_parallel_size < 2 or self.data_parallel_backend != "mp":
+            raise ValueError("external and hybrid load balancing need --data-parallel-size >= 2 "
+                             "and the mp backend")
+        if self.data_parallel_external_lb:
+            if self.data_parallel_size_local not in (1, None):
+                raise ValueError("an external data-parallel rank requires "
+                                 "`--data-parallel-size-local 1`; got "
+                                 f"{self.data_parallel_size_local}. Set it to 1 or omit it.")
+            self.data_parallel_size_local = 1
+        elif self.data_parallel_size_local is None:
+            raise ValueError("`--data-parallel-hybrid-lb` requires `--data-parallel-size-local`. "
+                             "Set it to the number of data-parallel ranks on this node.")
+        elif self.data_parallel_size_local == 1:
+            self.data_parallel_hybrid_lb, self.data_parallel_external_lb = False, True
+        elif self.data_parallel_size_local == self.data_parallel_size:
+            self.data_parallel_hybrid_lb = False  # one machine: internal load balancing
+
+    @property
+    def engine_ranks(self) -> range:
+        """The ranks a frontend here sends requests to: all, or with external or hybrid load
+        balancing, this machine's."""
+        balanced_here = self.data_parallel_external_lb or self.data_parallel_hybrid_lb
+        return self.local_ranks if balanced_here else range(self.data_parallel_size)
+
     @property
     def local_ranks(self) -> range:
         return range(self.data_parallel_start_rank,
                      self.data_parallel_start_rank + self.data_parallel_size_local)
+
+
+def rank_span(ranks: range) -> str:
+    """DP ranks as an interval, for messages: [0, 4)."""
+    return f"[{ranks.start}, {ranks.stop})"
 
 
 @dataclass(slots=True)

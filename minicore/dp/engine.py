@@ -127,9 +127,10 @@ class DPEngineCoreProc(EngineCoreProc):
                 self._end_wave()
 
     def _end_wave(self) -> None:
-        if self.dp_rank == 0:
-            logger.debug("Wave %d finished, pausing engine loop.", self.current_wave)
-            self._send(wave_complete=self.current_wave)
+        # Every rank says so (vLLM's rank 0 alone): with external or hybrid load balancing a
+        # frontend hears only its own ranks. A frontend takes the first of the same news.
+        logger.debug("Wave %d finished, pausing engine loop.", self.current_wave)
+        self._send(wave_complete=self.current_wave)
         self.current_wave += 1
         self.step_counter = 0
 
@@ -189,19 +190,22 @@ class DPEngineCoreProc(EngineCoreProc):
             new_wave, exclude_engine_index = request
             # A stale START (for a wave that has ended here) must not wake the rank.
             if exclude_engine_index != self.engine_index and new_wave >= self.current_wave:
-                self.current_wave = new_wave
-                self.engines_running = True
+                self._join_wave(new_wave)
         else:
             super()._handle_client_request(request_type, request)
 
     def _on_request_arrived(self, current_wave: int) -> None:
-        if current_wave > self.current_wave:
-            self.current_wave = current_wave
-        elif current_wave < self.current_wave and not self.engines_running:
-            # Sent for a wave that ended before it arrived: the frontend did not wake the other
-            # ranks, so ask it to.
-            self._send(start_wave=self.current_wave)
         # This rank wakes itself (the frontend's START_DP_WAVE skips it), even if the request is
         # rejected: its peers are waking and will expect its collectives.
-        self.engines_running = True
+        self._join_wave(current_wave)
         super()._on_request_arrived(current_wave)
+
+    def _join_wave(self, wave: int) -> None:
+        """Step in this wave (or the newer one this rank is in). Woken from idle, it tells every
+        client: its waker may not have woken every rank (a request sent for a wave that ended
+        before it arrived; a frontend that reaches only some ranks, with external or hybrid load
+        balancing, whose wave coordinator then wakes the rest)."""
+        self.current_wave = max(self.current_wave, wave)
+        if not self.engines_running:
+            self._send(start_wave=self.current_wave)
+            self.engines_running = True

@@ -46,7 +46,7 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.model_name = model_name
-        self.num_engines = config.parallel_config.data_parallel_size
+        self.num_engines = len(config.parallel_config.engine_ranks)
         self.input_processor = InputProcessor(config, tokenizer, vocab_size)
         self.output_processor = OutputProcessor(tokenizer)
         self.engine_core = engine_core

@@ -88,7 +88,7 @@ def build_components(config: EngineConfig, model=None, tokenizer=None,
     drafter = NoDrafter() if async_scheduling else make_drafter(config)
     return EngineComponents(info, model_runner, kv_connectors, so_manager, scheduler, drafter,
                             BatchQueue(2 if async_scheduling else 1), check_request,
-                            make_client_router(config.parallel_config.api_server_count))
+                            make_client_router(config.parallel_config.client_count))
 
 
 def make_engine_core(config: EngineConfig, model=None, tokenizer=None) -> EngineCore:

@@ -75,7 +75,11 @@ async def make_async_mp_client(config: EngineConfig, startup_timeout: float,
 class AsyncMPClient:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.num_engines = config.parallel_config.data_parallel_size
+        # The DP ranks this frontend sends requests to: its engines 0 .. num_engines - 1 are
+        # ranks first_rank, first_rank + 1, ... (all of them but with external or hybrid load
+        # balancing), as engine frames and the handshake's numbers are translated on arrival.
+        ranks = config.parallel_config.engine_ranks
+        self.num_engines, self.first_rank = len(ranks), ranks.start
         # Each engine's KV cache blocks, from its READY.
         self.num_blocks: dict[int, int] = {}
         # Called once, with the error, when the client turns dead.
@@ -94,7 +98,7 @@ class AsyncMPClient:
         # collective_rpc's callables travel pickled (the engine unpickles only where allowed).
         self._encoder = msgspec.msgpack.Encoder(enc_hook=encode_callable)
         self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
-        self._identities = [i.to_bytes(2, "little") for i in range(self.num_engines)]
+        self._identities = [rank.to_bytes(2, "little") for rank in ranks]
         self._num_dropped = 0
         # Private to this user (mode 0700): no other user can reach the ipc sockets in it.
         self._tmpdir = tempfile.mkdtemp(prefix="minicore-")
@@ -111,9 +115,10 @@ class AsyncMPClient:
     # ---- startup -------------------------------------------------------------------------------
 
     def _address(self, name: str) -> str:
-        """ipc for one engine; tcp with DP, for ranks elsewhere (the handshake at rpc_port + 1)."""
+        """ipc for engines of this machine only (one engine, or external or hybrid load
+        balancing); tcp for all DP ranks, some maybe elsewhere (the handshake at rpc_port + 1)."""
         pc = self.config.parallel_config
-        if self.num_engines == 1:
+        if self.num_engines < pc.data_parallel_size or self.num_engines == 1:
             return f"ipc://{self._tmpdir}/{name}"
         if name == "handshake":
             return f"tcp://{pc.data_parallel_address}:{pc.data_parallel_rpc_port + 1}"
@@ -173,9 +178,11 @@ class AsyncMPClient:
         engine's KV blocks. The Ray backend starts its actors here (minicore/dp/ray_launch.py)."""
         handshake = zmq.asyncio.Socket.from_socket(self._bind(zmq.ROUTER, "handshake"))
         try:
-            return await wait_for_engine_startup(
-                handshake, msgspec.msgpack.encode(addresses), self.num_engines,
-                self.manager.procs, deadline, self._engine_exited)
+            num_blocks = await wait_for_engine_startup(
+                handshake, msgspec.msgpack.encode(addresses),
+                self.config.parallel_config.engine_ranks, self.manager.procs, deadline,
+                self._engine_exited)
+            return {rank - self.first_rank: blocks for rank, blocks in num_blocks.items()}
         finally:
             handshake.close(linger=0)
 
@@ -307,8 +314,10 @@ class AsyncMPClient:
             except msgspec.MsgspecError as e:
                 self._drop(f"a malformed frame ({len(frame)} bytes: {e})")
                 continue
+            outputs.engine_index -= self.first_rank
             if not 0 <= outputs.engine_index < self.num_engines:
-                self._drop(f"a frame from engine {outputs.engine_index}, which does not exist")
+                self._drop(f"a frame from engine {outputs.engine_index + self.first_rank}, which "
+                           "is not one of this frontend's")
                 continue
             self._last_frame[outputs.engine_index] = time.monotonic()
             self._process_engine_outputs(outputs)
@@ -316,8 +325,8 @@ class AsyncMPClient:
 
     def _on_engine_dead_frame(self, frame: bytes) -> None:
         engine_index = parse_engine_dead_frame(frame)
-        if engine_index is None or not 0 <= engine_index < self.num_engines:
-            self._drop(f"an ENGINE_CORE_DEAD frame naming no engine ({frame[:32]!r})")
+        if engine_index is None or not 0 <= engine_index - self.first_rank < self.num_engines:
+            self._drop(f"an ENGINE_CORE_DEAD frame naming no engine of ours ({frame[:32]!r})")
         elif engine_index in self.procs:
             # Its process exits next, which the process watch sees: a forged notice does nothing.
             logger.error("engine core %d reports a fatal error", engine_index)

@@ -84,7 +84,7 @@ class EngineCoreProc(ProcControl, EngineCore):
                                     for address in addresses["outputs"]]
             for socket in self._input_sockets:  # a ROUTER routes only to peers it has heard
                 socket.send(b"")
-            config.parallel_config.api_server_count = len(self._output_sockets)
+            config.parallel_config.client_count = len(self._output_sockets)
             self._init_data_parallel(config)
             components = build_components(config)
             self.client_router = components.client_router

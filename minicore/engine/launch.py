@@ -253,14 +253,15 @@ def engine_start_method(config: EngineConfig) -> str:
 
 
 async def wait_for_engine_startup(handshake: zmq.asyncio.Socket, addresses: bytes,
-                                  num_engines: int, local_ranks, deadline: float,
+                                  ranks: range, local_ranks, deadline: float,
                                   engine_exited: asyncio.Future) -> dict[int, int]:
-    """HELLO, then READY, from every engine, in any order: answer each HELLO with the addresses to
-    connect to. Returns each engine's number of KV blocks. engine_exited resolves, with the reason,
-    when a local engine process exits: then startup fails at once instead of at the deadline."""
-    engines = set(range(num_engines))
+    """HELLO, then READY, from the engines of these DP ranks, in any order: answer each HELLO with
+    the addresses to connect to. Returns each rank's number of KV blocks. engine_exited resolves,
+    with the reason, when a local engine process exits: then startup fails at once instead of at
+    the deadline."""
+    engines = set(ranks)
     waiting_hello, num_blocks = set(engines), {}
-    while len(num_blocks) < num_engines:
+    while len(num_blocks) < len(engines):
         what = (f"HELLO from engine(s) {sorted(waiting_hello)}" if waiting_hello
                 else f"READY from engine(s) {sorted(engines - set(num_blocks))}")
         recv = asyncio.ensure_future(handshake.recv_multipart())
@@ -276,9 +277,9 @@ async def wait_for_engine_startup(handshake: zmq.asyncio.Socket, addresses: byte
         if status == "HELLO" and index in waiting_hello:
             waiting_hello.remove(index)
             await handshake.send_multipart([identity, addresses])
-        elif status == "READY" and index < num_engines and index not in waiting_hello:
+        elif status == "READY" and index in engines and index not in waiting_hello:
             num_blocks[index] = message["num_gpu_blocks"]
-        elif status == "FAILED" and index < num_engines:
+        elif status == "FAILED" and index in engines:
             # A local engine's exit says it (engine_exited), after its own log line; a rank on
             # another machine (headless) has only this to tell its frontend.
             if index not in local_ranks:
@@ -290,8 +291,7 @@ async def wait_for_engine_startup(handshake: zmq.asyncio.Socket, addresses: byte
                 raise RuntimeError(f"engine core {index} failed to start: {message.get('error')}")
         else:
             raise RuntimeError(f"engine handshake: unexpected {message!r} from engine {index} "
-                               f"(a DP rank started twice, or outside the data parallel size "
-                               f"{num_engines}?)")
+                               f"(a DP rank started twice, or not one of ranks {list(ranks)}?)")
     return num_blocks
 
 

@@ -31,7 +31,7 @@ from minicore.engine.async_llm import AsyncLLM
 from minicore.engine.core_client import EngineDeadError
 from minicore.engine.output_processor import RequestFailedError
 from minicore.entrypoints.dev_endpoints import attach_dev_routes, dev_mode
-from minicore.entrypoints.metrics import ServerMetrics, StatsLogger
+from minicore.entrypoints.metrics import ServerMetrics
 from minicore.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,6 +43,7 @@ from minicore.entrypoints.openai_protocol import (
 )
 from minicore.entrypoints.serving import OpenAIServing
 from minicore.entrypoints.serving_tokenization import detokenize, tokenize
+from minicore.entrypoints.stats_logger import StatsLogger
 from minicore.entrypoints.utils import (
     HttpLimits,
     RequestLimitsMiddleware,
@@ -245,7 +246,7 @@ def _add_admin_routes(app: FastAPI, client: AsyncLLM) -> None:
         # Every engine's cache; vLLM's answer: success is False while some block is in use, and
         # reset_running_requests preempts the running requests first (recomputed later).
         # reset_external (a connector's own cache): minicore's connectors keep none.
-        num_engines = client.config.parallel_config.data_parallel_size
+        num_engines = client.num_engines
         results = [await client.call_utility("reset_prefix_cache", reset_running_requests,
                                              engine_index=i) for i in range(num_engines)]
         logger.info("reset the prefix cache of %d engine(s) (running requests too: %s): %s",
@@ -312,8 +313,7 @@ async def serve_http(config: EngineConfig, args, sock: socket.socket, client: As
     try:
         model_names = args.served_model_name or [client.model_name]
         so_config = config.structured_outputs_config
-        num_engines = config.parallel_config.data_parallel_size
-        metrics = ServerMetrics(model_names[0], num_engines, lambda: client.latest_stats,
+        metrics = ServerMetrics(model_names[0], client.num_engines, lambda: client.latest_stats,
                                 prefix=args.metrics_prefix, config=config,
                                 num_blocks=client.num_blocks)
         client.output_processor.on_new_tokens = metrics.on_new_tokens

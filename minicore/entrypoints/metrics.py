@@ -1,6 +1,6 @@
-"""Server metrics: Prometheus exposition for /metrics and the periodic stats log line.
+"""Server metrics: Prometheus exposition for /metrics (the periodic log line: stats_logger.py).
 
-Mirrors vllm/v1/metrics/loggers.py (PrometheusStatLogger, LoggingStatLogger) and the buckets of
+Mirrors vllm/v1/metrics/loggers.py (PrometheusStatLogger) and the buckets of
 vllm/v1/metrics/buckets.py: vLLM's metric names, help texts, buckets and labels (model_name and
 engine="<DP rank>" on every series, as vLLM; no aggregate series, so sum() over engines is the
 total). Two sources feed them: the engines' SchedulerStats (running, waiting, KV cache usage, and
@@ -12,11 +12,12 @@ them). Process and Python collectors (process_*, python_*) are on the registry, 
 With --speculative-config, the spec_decode_* counters and the SpecDecoding line join them
 (spec_decode_metrics.py); the dev routes time their sleep-mode and weight-transfer operations
 (OperationMetrics). Counters and histograms keep prometheus_client's *_created series, as vLLM's.
+With several API servers, prometheus_client's multiprocess mode sums every server's counters and
+histograms (no process_* or *_created series then, as on vLLM).
 
 The prefix (--metrics-prefix) is `vllm` by default, so vLLM's Grafana dashboard, aiperf's server
-metrics views and alerts written for vLLM read minicore unchanged; a fleet that scrapes both
-vLLM and minicore into one Prometheus can pass `--metrics-prefix minicore` to keep them apart
-(the model_name label alone would mix them).
+metrics views and alerts written for vLLM read minicore unchanged; `--metrics-prefix minicore`
+keeps the two apart in one Prometheus (the model_name label alone would mix them).
 
 Deviations: a request aborted by its client (frontend abort) counts in request_success with
 finished_reason="abort" (vLLM counts only engine-finished requests) but is observed in no
@@ -24,14 +25,12 @@ histogram (as vLLM). request_params_n and request_max_num_generation_tokens are 
 engine request, and the server runs n choices as n engine requests with n=1: a request with n=4
 is four observations of n=1 (vLLM: one of n=4, with the longest choice's tokens).
 The prefix cache hit rate in the log line is since start (vLLM: over the last 1000 requests).
-Left out (nothing in minicore to measure): LoRA, multimodal cache, KV connector
-transfer stats and external prefix cache, KV block residency (--kv-cache-metrics), NaN-corrupted
-and watermark requests, admission rejections (no queue limits), prompt tokens by source, perf
-(MFU) stats.
+Left out (nothing in minicore to measure): LoRA, multimodal cache, KV connector transfer stats
+and external prefix cache, KV block residency (--kv-cache-metrics), NaN-corrupted and watermark
+requests, admission rejections (no queue limits), prompt tokens by source, perf (MFU) stats.
 """
 
 import dataclasses
-import logging
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -52,11 +51,8 @@ from prometheus_client.process_collector import ProcessCollector
 
 from minicore.config import CacheConfig, EngineConfig
 from minicore.engine.output_processor import RequestState
-from minicore.entrypoints.spec_decode_metrics import SpecDecodingLogging, spec_decode_counters
+from minicore.entrypoints.spec_decode_metrics import spec_decode_counters
 from minicore.protocol import FinishReason, SchedulerStats, SpecDecodingStats
-from minicore.spec_decode.metrics import sum_spec_stats
-
-logger = logging.getLogger("minicore.stats")
 
 DEFAULT_PREFIX = "vllm"
 # prometheus_client's: set (by `serve --api-server-count`) before it is imported, it keeps every
@@ -162,12 +158,13 @@ class SchedulerStatsCollector:
     engine (no aggregate: sum() over engine is the total, as on vLLM); the spec_decode_* counters
     too when the engines draft num_spec_tokens tokens (0: no speculative decoding)."""
 
-    def __init__(self, prefix: str, model_name: str, stats: StatsSource, num_spec_tokens: int = 0):
+    def __init__(self, prefix: str, model_name: str, stats: StatsSource, num_spec_tokens: int = 0,
+                 first_rank: int = 0):
         self.prefix, self.model_name, self.stats = prefix, model_name, stats
-        self.num_spec_tokens = num_spec_tokens
+        self.num_spec_tokens, self.first_rank = num_spec_tokens, first_rank
 
     def collect(self):
-        stats = [(str(engine), s) for engine, s in sorted(self.stats().items())]
+        stats = [(str(self.first_rank + e), s) for e, s in sorted(self.stats().items())]
         for family, table in ((GaugeMetricFamily, ENGINE_GAUGES),
                               (CounterMetricFamily, ENGINE_COUNTERS)):
             for name, doc, field in table:
@@ -188,16 +185,6 @@ class SchedulerStatsCollector:
             zeros = SpecDecodingStats.new(self.num_spec_tokens)
             yield from spec_decode_counters(self.prefix, self.model_name, LABELS, [
                 (engine, s.spec_decoding_stats or zeros) for engine, s in stats])
-
-
-def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
-    """Several engines' stats as one (for the log line): sums, and the mean KV cache usage."""
-    total = SchedulerStats(**{f: sum(getattr(s, f) for s in stats)
-                              for f in SchedulerStats.__struct_fields__
-                              if f != "spec_decoding_stats"})
-    total.kv_cache_usage /= len(stats)
-    total.spec_decoding_stats = sum_spec_stats(s.spec_decoding_stats for s in stats)
-    return total
 
 
 class OperationMetrics:
@@ -236,8 +223,7 @@ class ServerMetrics:
         config = config or EngineConfig()
         self.registry = reg = CollectorRegistry()
         if multiprocess_dir := os.environ.get(MULTIPROCESS_DIR_ENV):
-            # One API server of several: every server's counters and histograms, summed from the
-            # files prometheus_client writes there (vLLM's registry then; no process_*, as its).
+            # One API server of several: every server's values, from prometheus_client's files.
             self.exposed = CollectorRegistry()
             MultiProcessCollector(self.exposed, multiprocess_dir)
         else:
@@ -246,12 +232,16 @@ class ServerMetrics:
             PlatformCollector(registry=reg)
             GCCollector(registry=reg)
         speculative = config.speculative_config
+        # Labels are DP ranks: external or hybrid load balancing serves some from first_rank on.
+        first_rank = config.parallel_config.engine_ranks.start
         self.exposed.register(SchedulerStatsCollector(
-            prefix, model_name, stats, speculative.num_speculative_tokens if speculative else 0))
+            prefix, model_name, stats, speculative.num_speculative_tokens if speculative else 0,
+            first_rank))
+        self.engine_labels = [str(first_rank + e) for e in range(num_engines)]
         self.model_name, self.num_engines = model_name, num_engines
 
         def per_engine(metric):
-            return [metric.labels(model_name, str(e)) for e in range(num_engines)]
+            return [metric.labels(model_name, label) for label in self.engine_labels]
 
         token_buckets = build_1_2_5_buckets(config.scheduler_config.max_model_len)
         self.counters = {attr: per_engine(Counter(f"{prefix}:{name}", doc, LABELS, registry=reg))
@@ -262,8 +252,8 @@ class ServerMetrics:
             for attr, name, doc, buckets in HISTOGRAMS}
         success = Counter(f"{prefix}:request_success", "Count of successfully processed requests.",
                           LABELS + ["finished_reason"], registry=reg)
-        self._success = {str(reason): [success.labels(model_name, str(e), str(reason))
-                                       for e in range(num_engines)] for reason in FinishReason}
+        self._success = {str(reason): [success.labels(model_name, label, str(reason))
+                                       for label in self.engine_labels] for reason in FinishReason}
         self._info_gauges(prefix, dataclasses.replace(config.cache_config, num_blocks=num_blocks))
         # The dev routes' operations (VLLM_SERVER_DEV_MODE=1): sleep, wake; weight transfer.
         self.sleep_operations = OperationMetrics(reg, prefix, "sleep_mode", "sleep-mode")
@@ -286,8 +276,8 @@ class ServerMetrics:
         self.sleep_state = Gauge(f"{prefix}:engine_sleep_state", SLEEP_STATE_HELP,
                                  LABELS + ["sleep_state"], registry=self.registry,
                                  multiprocess_mode="mostrecent")
-        for e in range(self.num_engines):
-            cache_info.labels(**info, engine=str(e)).set(1)
+        for label in self.engine_labels:
+            cache_info.labels(**info, engine=label).set(1)
         self.set_sleep_levels([0] * self.num_engines)
 
     def set_sleep_levels(self, levels: list[int]) -> None:
@@ -295,7 +285,8 @@ class ServerMetrics:
         AsyncLLM reports it after sleep and wake_up."""
         for e, level in enumerate(levels):
             for index, state in enumerate(SLEEP_STATES):
-                self.sleep_state.labels(self.model_name, str(e), state).set(index == level)
+                self.sleep_state.labels(self.model_name, self.engine_labels[e], state).set(
+                    index == level)
 
     def on_new_tokens(self, state: RequestState, num_new_tokens: int,
                       interval: float | None) -> None:
@@ -357,44 +348,3 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.exposed)
-
-
-class StatsLogger:
-    """vLLM's periodic line per engine: throughput since the last line, and the engine's state,
-    then its SpecDecoding line when it verified drafts since the last line. An idle engine logs
-    once, then stays quiet until it has work again."""
-
-    def __init__(self, metrics: ServerMetrics, stats: StatsSource):
-        self.metrics, self.stats = metrics, stats
-        self.last_time = time.monotonic()
-        self.last_prompt = list(metrics.num_prompt_tokens)
-        self.last_generation = list(metrics.num_generation_tokens)
-        self.was_idle: dict[str, bool] = {}
-        self.spec_decoding_logging = SpecDecodingLogging()
-
-    def log(self) -> None:
-        """One line per engine, and with several engines one for all of them together."""
-        now = time.monotonic()
-        elapsed = max(now - self.last_time, 1e-9)
-        m = self.metrics
-        lines = [(f"Engine {engine:03d}", s, m.num_prompt_tokens[engine] - self.last_prompt[engine],
-                  m.num_generation_tokens[engine] - self.last_generation[engine])
-                 for engine, s in sorted(self.stats().items())]
-        if len(lines) > 1:
-            lines.append(("All engines", sum_stats([line[1] for line in lines]),
-                          sum(line[2] for line in lines), sum(line[3] for line in lines)))
-        for name, s, prompt, generation in lines:
-            idle = not (prompt or generation or s.num_running_reqs or s.num_waiting_reqs)
-            if idle and self.was_idle.get(name):
-                continue
-            self.was_idle[name] = idle
-            hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0
-            logger.info(
-                "%s: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: "
-                "%.1f tokens/s, Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
-                "Prefix cache hit rate: %.1f%%", name, prompt / elapsed, generation / elapsed,
-                s.num_running_reqs, s.num_waiting_reqs, 100 * s.kv_cache_usage, 100 * hit_rate)
-            self.spec_decoding_logging.log(name, s.spec_decoding_stats, elapsed)
-        self.last_time = now
-        self.last_prompt = list(m.num_prompt_tokens)
-        self.last_generation = list(m.num_generation_tokens)

@@ -59,9 +59,10 @@ def run_multi_api_server(config: EngineConfig, args) -> None:
     """Serve with args.api_server_count API servers until SIGTERM/SIGINT (returns) or a process
     of the service exits (RuntimeError naming it)."""
     num_servers = args.api_server_count
-    if config.parallel_config.data_parallel_backend == "ray":
-        raise ValueError("--api-server-count > 1 is not supported with --data-parallel-backend "
-                         "ray: run one API server")
+    pc = config.parallel_config
+    if pc.data_parallel_backend == "ray" or pc.engine_ranks != range(pc.data_parallel_size):
+        raise ValueError("--api-server-count > 1 is supported with the mp backend's internal load "
+                         "balancing only (not with ray, external or hybrid): run one API server")
     if not args.disable_log_stats:
         logger.warning("%d API servers: the periodic stats line is off (each server sees only "
                        "its own requests); /metrics has the whole", num_servers)
@@ -151,7 +152,7 @@ async def _start_engines(config: EngineConfig, addresses: dict[str, list[str]],
                                      "--data-parallel-rpc-port", value=pc.data_parallel_rpc_port)
                      if dp else make_zmq_socket(ctx, handshake_address, zmq.ROUTER, bind=True))
         num_blocks = await wait_for_engine_startup(
-            handshake, msgspec.msgpack.encode(addresses), pc.data_parallel_size, manager.procs,
+            handshake, msgspec.msgpack.encode(addresses), pc.engine_ranks, manager.procs,
             time.monotonic() + STARTUP_TIMEOUT_S, exited)
     except BaseException:
         manager.close()

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from minicore.arg_utils import resolve_chat_template
+from minicore.config import rank_span
 from minicore.engine.async_llm import AsyncLLM
 from minicore.engine.core_client import EngineDeadError
 from minicore.engine.input_processor import InvalidRequestError
@@ -200,13 +201,13 @@ class OpenAIServingBase:
     def _data_parallel_rank(self, header: str | None) -> int | None:
         if header is None:
             return None
-        num_engines = self.client.num_engines
+        ranks = self.client.config.parallel_config.engine_ranks
         try:
             rank = int(header)
         except ValueError:
             rank = -1
-        if not 0 <= rank < num_engines:
-            raise OpenAIError(f"X-data-parallel-rank must be an engine rank in [0, {num_engines}), "
+        if rank not in ranks:
+            raise OpenAIError(f"X-data-parallel-rank must be an engine rank in {rank_span(ranks)}, "
                               f"got {header!r}", 400, "X-data-parallel-rank")
         return rank
 

@@ -24,9 +24,9 @@ from minicore.entrypoints.metrics import (
     REQUEST_LATENCY_BUCKETS,
     TTFT_BUCKETS,
     ServerMetrics,
-    StatsLogger,
     build_1_2_5_buckets,
 )
+from minicore.entrypoints.stats_logger import StatsLogger
 from minicore.ports import free_port_pair
 from minicore.protocol import (
     EngineCoreEvent,
