@@ -159,6 +159,10 @@ class ParallelConfig:
                "parallelism): each rank holds 1/N of them, and every forward, dummy ones "
                "included, exchanges tokens with the other ranks; needs --data-parallel-size >= 2 "
                "and a Qwen3-MoE, Qwen2-MoE, Mixtral or OLMoE model")
+    # vLLM's flag (vllm/config/parallel.py); minicore/dp/elastic_ep.py.
+    enable_elastic_ep: bool = flag(
+        False, "elastic expert parallelism: POST /scale_elastic_ep grows or shrinks the DP group "
+               "while it serves; needs --data-parallel-backend ray and --enable-expert-parallel")
     # vLLM's flag, the hook RL frameworks (verl, OpenRLHF) sync weights through.
     worker_extension_cls: str = flag(
         "", "a class, 'package.module.Class', whose methods join the model runner's, each "
@@ -200,6 +204,10 @@ class ParallelConfig:
         if self.enable_expert_parallel and self.data_parallel_size < 2:
             raise ValueError("expert parallelism shards the experts over the data-parallel ranks: "
                              "--enable-expert-parallel needs --data-parallel-size >= 2")
+        if self.enable_elastic_ep and not (self.data_parallel_backend == "ray"
+                                           and self.enable_expert_parallel):
+            raise ValueError("--enable-elastic-ep needs --data-parallel-backend ray and "
+                             "--enable-expert-parallel (vLLM's elastic EP runs on Ray)")
 
     def _check_ray(self) -> None:
         # Rank 0 hosts the DP group's rendezvous at the frontend's address, so it runs beside it.

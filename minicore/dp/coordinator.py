@@ -44,6 +44,15 @@ class DPCoordinator:
         self.num_running = [0] * num_engines
         self.num_sent = [0] * num_engines
         self.num_received = [0] * num_engines
+        # The engines a request may go to unless it names one: all but those an elastic scale
+        # down is draining.
+        self.selectable = range(num_engines)
+
+    def resize(self, num_engines: int) -> None:
+        """After an elastic scale: engines added (nothing known of them yet) or removed."""
+        for counts in (self.num_waiting, self.num_running, self.num_sent, self.num_received):
+            resize_list(counts, num_engines, 0)
+        self.num_engines, self.selectable = num_engines, range(num_engines)
 
     def score(self, engine_index: int) -> int:
         in_flight = self.num_sent[engine_index] - self.num_received[engine_index]
@@ -53,7 +62,7 @@ class DPCoordinator:
         """The engine for a new request: the explicit rank if given, else the least loaded
         (the lowest index among equals). Counts the request as sent to it."""
         if data_parallel_rank is None:
-            data_parallel_rank = min(range(self.num_engines), key=self.score)
+            data_parallel_rank = min(self.selectable, key=self.score)
         self.num_sent[data_parallel_rank] += 1
         return data_parallel_rank
 
@@ -103,11 +112,20 @@ def make_watchdog(num_engines: int, ping: Callable[[int], None],
     return EngineWatchdog(num_engines, timeout_s, ping, frames_pending, on_hung)
 
 
+def resize_list(values: list, length: int, fill) -> None:
+    """values cut or padded with fill to length, in place (others hold the same list)."""
+    del values[length:]
+    values.extend([fill] * (length - len(values)))
+
+
 class NoWatchdog:
     """MINICORE_ENGINE_ITERATION_TIMEOUT_S=0: nothing is watched (an engine under a debugger)."""
 
     def __init__(self, num_engines: int):
         self.last_frame = [0.0] * num_engines
+
+    def resize(self, num_engines: int) -> None:
+        resize_list(self.last_frame, num_engines, 0.0)
 
     def start(self) -> None:
         """Nothing to watch."""
@@ -148,6 +166,11 @@ class EngineWatchdog:
         """Watch from now on (the engines' startup is the startup timeout's)."""
         self.last_frame[:] = [time.monotonic()] * len(self.last_frame)
         self._schedule()
+
+    def resize(self, num_engines: int) -> None:
+        """After an elastic scale: an engine added is watched from now on."""
+        resize_list(self.last_frame, num_engines, time.monotonic())
+        resize_list(self._pinged, num_engines, -float("inf"))
 
     def stop(self) -> None:
         if self._timer is not None:

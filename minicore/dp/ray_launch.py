@@ -130,26 +130,7 @@ class CoreEngineActorManager:
         TimeoutError naming what is missing if they do not fit in time); returns the config
         with the address the ranks reach the frontend at."""
         pc = self.config.parallel_config
-        nodes = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
-        self._check_fits(nodes)
-        for rank in range(pc.data_parallel_size):
-            local = rank < pc.data_parallel_size_local
-            self.placement_groups.append(placement_group(
-                [self.bundle], strategy="STRICT_PACK", name=f"dp_rank_{rank}",
-                bundle_label_selector=[{"ray.io/node-id": self.here}] if local else None))
-        ready = [pg.ready() for pg in self.placement_groups]
-        limit = float(os.environ.get(PLACEMENT_TIMEOUT_ENV, DEFAULT_PLACEMENT_TIMEOUT_S))
-        timeout = max(0.0, min(limit, deadline - time.monotonic()))
-        done, _ = ray.wait(ready, num_returns=len(ready), timeout=timeout)
-        if len(done) < len(ready):
-            missing = [rank for rank, ref in enumerate(ready) if ref not in done]
-            raise TimeoutError(
-                f"Ray could not place DP rank(s) {missing} within {timeout:g} s "
-                f"({PLACEMENT_TIMEOUT_ENV}): each needs {self.bundle}"
-                f"{self._local_note(missing)}; available now in the cluster: "
-                f"{ {key: ray.available_resources().get(key, 0.0) for key in self.bundle} }")
-        self.node_ids = [ray.util.placement_group_table(pg)["bundles_to_node_id"][0]
-                         for pg in self.placement_groups]
+        self.place_ranks(range(pc.data_parallel_size), deadline)
         address = pc.data_parallel_address or (
             "127.0.0.1" if set(self.node_ids) == {self.here} else ray.util.get_node_ip_address())
         self.config = dataclasses.replace(self.config, parallel_config=dataclasses.replace(
@@ -158,17 +139,43 @@ class CoreEngineActorManager:
                     [node_id[:8] for node_id in self.node_ids], address)
         return self.config
 
-    def _check_fits(self, nodes: dict) -> None:
+    def place_ranks(self, ranks: range, deadline: float) -> None:
+        """A placement group for each of ranks (the ranks after them have none yet), ready."""
+        pc = self.config.parallel_config
+        nodes = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
+        self._check_fits(nodes, ranks.stop)
+        new = [placement_group(
+            [self.bundle], strategy="STRICT_PACK", name=f"dp_rank_{rank}",
+            bundle_label_selector=([{"ray.io/node-id": self.here}]
+                                   if rank < pc.data_parallel_size_local else None))
+            for rank in ranks]
+        ready = [pg.ready() for pg in new]
+        limit = float(os.environ.get(PLACEMENT_TIMEOUT_ENV, DEFAULT_PLACEMENT_TIMEOUT_S))
+        timeout = max(0.0, min(limit, deadline - time.monotonic()))
+        done, _ = ray.wait(ready, num_returns=len(ready), timeout=timeout)
+        if len(done) < len(ready):
+            for pg in new:
+                remove_placement_group(pg)
+            missing = [rank for rank, ref in zip(ranks, ready) if ref not in done]
+            raise TimeoutError(
+                f"Ray could not place DP rank(s) {missing} within {timeout:g} s "
+                f"({PLACEMENT_TIMEOUT_ENV}): each needs {self.bundle}"
+                f"{self._local_note(missing)}; available now in the cluster: "
+                f"{ {key: ray.available_resources().get(key, 0.0) for key in self.bundle} }")
+        self.placement_groups.extend(new)
+        self.node_ids = [ray.util.placement_group_table(pg)["bundles_to_node_id"][0]
+                         for pg in self.placement_groups]
+
+    def _check_fits(self, nodes: dict, num_ranks: int) -> None:
         """Refuse at once what no wait could fix: more ranks than the nodes' total resources
         hold (local ranks on this node, the rest anywhere)."""
-        pc = self.config.parallel_config
         slots = {node_id: _slots(n["Resources"], self.bundle) for node_id, n in nodes.items()}
-        local = pc.data_parallel_size_local
-        if slots.get(self.here, 0) >= local and sum(slots.values()) >= pc.data_parallel_size:
+        local = self.config.parallel_config.data_parallel_size_local
+        if slots.get(self.here, 0) >= local and sum(slots.values()) >= num_ranks:
             return
         totals = {node_id: n["Resources"] for node_id, n in nodes.items()}
         raise ValueError(
-            f"the Ray cluster cannot hold {pc.data_parallel_size} DP ranks, each needing "
+            f"the Ray cluster cannot hold {num_ranks} DP ranks, each needing "
             f"{self.bundle}{self._local_note(range(local))}; its nodes have "
             f"{_describe(totals, self.here, self.bundle)}")
 
@@ -177,13 +184,16 @@ class CoreEngineActorManager:
         return (f", rank(s) {local} on this node ({self.here[:8]}, "
                 "--data-parallel-size-local)") if local else ""
 
-    def start_actors(self, addresses: dict[str, list[str]]) -> None:
+    def start_actors(self, addresses: dict[str, list[str]], ranks: range | None = None) -> None:
+        """An actor for each of ranks (default: every placed rank) on the frontend's sockets."""
+        self.addresses = addresses
         actor_cls = ray.remote(DPEngineCoreActor)
-        for rank, pg in enumerate(self.placement_groups):
+        for rank in range(len(self.placement_groups)) if ranks is None else ranks:
             # Named as the mp backend's processes (unique within this frontend's Ray job).
             options = {"name": f"EngineCore_DP{rank}", "num_cpus": self.bundle["CPU"],
                        "num_gpus": self.bundle.get("GPU", 0),
-                       "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, 0),
+                       "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                           self.placement_groups[rank], 0),
                        "runtime_env": {"env_vars": self._engine_env(rank)}}
             self.actors.append(actor_cls.options(**options).remote(self.config, addresses, rank))
 
@@ -197,10 +207,10 @@ class CoreEngineActorManager:
             env["MINICORE_CPU_THREADS"] = str(max(1, int(cpus) // self.node_ids.count(node_id)))
         return env
 
-    async def wait_for_init(self, deadline: float) -> dict[int, int]:
-        """Each rank's KV blocks once every actor is built; the first failure raised at once."""
-        pending = {asyncio.wrap_future(actor.wait_for_init.remote().future()): rank
-                   for rank, actor in enumerate(self.actors)}
+    async def wait_for_init(self, deadline: float, ranks: range) -> dict[int, int]:
+        """Each rank's KV blocks once its actor is built; the first failure raised at once."""
+        pending = {asyncio.wrap_future(self.actors[rank].wait_for_init.remote().future()): rank
+                   for rank in ranks}
         num_blocks = {}
         while pending:
             done, _ = await asyncio.wait(pending, timeout=max(0.0, deadline - time.monotonic()),
@@ -219,9 +229,9 @@ class CoreEngineActorManager:
                 num_blocks[rank] = future.result()
         return num_blocks
 
-    def run(self) -> list[asyncio.Future]:
-        """Start every busy loop; the futures end when the actors do."""
-        return [asyncio.wrap_future(actor.run.remote().future()) for actor in self.actors]
+    def run(self, ranks: range) -> list[asyncio.Future]:
+        """Start the ranks' busy loops; the futures end when the actors do."""
+        return [asyncio.wrap_future(self.actors[rank].run.remote().future()) for rank in ranks]
 
     def terminate(self) -> None:
         """Kill every actor (a rank cannot go on without its peers)."""
@@ -247,9 +257,11 @@ class RayDPLBAsyncMPClient(DPLBAsyncMPClient):
     address depends on where the ranks run), started without the ZMQ handshake, watched through
     their run() instead of process sentinels."""
 
+    manager_class = CoreEngineActorManager
+
     async def start(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        self.manager = await asyncio.to_thread(CoreEngineActorManager, self.config)
+        self.manager = await asyncio.to_thread(self.manager_class, self.config)
         self.config = await asyncio.to_thread(self.manager.place, deadline)
         await super().start(max(0.0, deadline - time.monotonic()))
 
@@ -259,13 +271,21 @@ class RayDPLBAsyncMPClient(DPLBAsyncMPClient):
     async def _launch_engines(self, addresses: dict[str, list[str]],
                               deadline: float) -> dict[int, int]:
         self.manager.start_actors(addresses)
-        num_blocks = await self.manager.wait_for_init(deadline)
-        for rank, future in enumerate(self.manager.run()):
-            future.add_done_callback(lambda f, rank=rank: self._on_actor_exit(rank, f))
+        return await self._watch_actors(range(len(self.manager.actors)), deadline)
+
+    async def _watch_actors(self, ranks: range, deadline: float) -> dict[int, int]:
+        """The ranks' KV blocks once their actors are built; from then on an actor's end turns
+        the client dead."""
+        num_blocks = await self.manager.wait_for_init(deadline, ranks)
+        for rank, future in zip(ranks, self.manager.run(ranks)):
+            actor = self.manager.actors[rank]
+            future.add_done_callback(functools.partial(self._on_actor_exit, rank, actor))
         return num_blocks
 
-    def _on_actor_exit(self, rank: int, future: asyncio.Future) -> None:
+    def _on_actor_exit(self, rank: int, actor, future: asyncio.Future) -> None:
         error = None if future.cancelled() else future.exception()
+        if not any(actor is current for current in self.manager.actors):
+            return  # retired by a scale down (minicore/dp/ray_elastic.py)
         how = f"died: {_cause(error)}" if error is not None else "exited"
         self.set_dead(f"engine core {rank}'s Ray actor {how}")
 

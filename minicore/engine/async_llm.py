@@ -35,6 +35,8 @@ from minicore.utils import freeze_gc_heap
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# vLLM's /scale_elastic_ep default: how long a scale down waits for the leaving ranks' requests.
+DEFAULT_DRAIN_TIMEOUT_S = 120
 
 
 class AsyncLLM:
@@ -58,6 +60,7 @@ class AsyncLLM:
         self.on_sleep_state: Callable[[list[int]], None] | None = None
         # The newest scheduler stats of each engine, by engine index.
         self.latest_stats: dict[int, SchedulerStats] = {}
+        self.is_scaling_elastic_ep = False
         self.output_handler = asyncio.create_task(self._run_output_handler())
         self.output_handler.add_done_callback(self._on_output_handler_done)
 
@@ -74,8 +77,10 @@ class AsyncLLM:
         mc = config.model_config
         tokenizer, vocab_size = await asyncio.to_thread(load_tokenizer, mc.model, mc.tokenizer)
         client_cls = engine_client_class(config)
-        if config.parallel_config.data_parallel_backend == "ray":
-            # Imported only here: Ray is an optional extra (minicore[ray]).
+        # Imported only here: Ray is an optional extra (minicore[ray]).
+        if config.parallel_config.enable_elastic_ep:
+            from minicore.dp.ray_elastic import ElasticRayDPLBAsyncMPClient as client_cls
+        elif config.parallel_config.data_parallel_backend == "ray":
             from minicore.dp.ray_launch import RayDPLBAsyncMPClient as client_cls
         engine_core = await make_async_mp_client(config, startup_timeout, client_cls)
         # The frontend's startup heap is static too (transformers, the tokenizer).
@@ -182,6 +187,33 @@ class AsyncLLM:
         """ValueError while an engine's memory is released: wake_up resumes generation then."""
         await self.call_utility_all("resume_scheduler")
         self._release()
+
+    async def scale_elastic_ep(self, new_data_parallel_size: int,
+                               drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
+        """vLLM's elastic EP (--enable-elastic-ep): grow or shrink the DP group to
+        new_data_parallel_size ranks while serving (minicore/dp/elastic_ep.py); new requests
+        wait while the ranks re-form it. ValueError if refused (elastic EP off, a size the model
+        or the cluster cannot take, a scale under way); TimeoutError if the leaving ranks'
+        requests did not finish within drain_timeout seconds (then nothing changed)."""
+        if not hasattr(self.engine_core, "commit_scale"):
+            raise ValueError("elastic EP is off: serve with --enable-elastic-ep "
+                             "(and --data-parallel-backend ray)")
+        if self.is_scaling_elastic_ep:
+            raise ValueError("the DP group is being scaled already: try again when it is done")
+        self.is_scaling_elastic_ep = True
+        try:
+            await self.engine_core.prepare_scale(new_data_parallel_size)
+            if new_data_parallel_size != self.num_engines:
+                await self.engine_core.drain(new_data_parallel_size, drain_timeout)
+                await self._holding(self.call_utility_all("pause_scheduler", "keep", False))
+                await self.engine_core.commit_scale(new_data_parallel_size)
+                self.num_engines = self.config.parallel_config.data_parallel_size = (
+                    new_data_parallel_size)
+                for engine in [e for e in self.latest_stats if e >= new_data_parallel_size]:
+                    del self.latest_stats[engine]
+                await self.resume_generation()
+        finally:
+            self.is_scaling_elastic_ep = False
 
     async def is_paused(self) -> bool:
         return any(await self.call_utility_all("is_scheduler_paused"))

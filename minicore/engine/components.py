@@ -55,6 +55,8 @@ class EngineComponents:
     check_request: Callable[[Request], None]
     # An engine process's frontends: OneClient, or with several API servers a ClientRouter.
     client_router: OneClient | ClientRouter
+    # Re-forms a DP rank's group at another size: ElasticEP (--enable-elastic-ep) or NoElasticEP.
+    elastic_ep: object
 
 
 def build_components(config: EngineConfig, model=None, tokenizer=None,
@@ -88,7 +90,23 @@ def build_components(config: EngineConfig, model=None, tokenizer=None,
     drafter = NoDrafter() if async_scheduling else make_drafter(config)
     return EngineComponents(info, model_runner, kv_connectors, so_manager, scheduler, drafter,
                             BatchQueue(2 if async_scheduling else 1), check_request,
-                            make_client_router(config.parallel_config.client_count))
+                            make_client_router(config.parallel_config.client_count),
+                            _make_elastic_ep(config))
+
+
+class NoElasticEP:
+    """Elastic EP off: a rank refuses to re-form its group."""
+
+    def reinitialize(self, engine, *args):
+        raise ValueError("elastic EP is off: serve with --enable-elastic-ep")
+
+
+def _make_elastic_ep(config: EngineConfig):
+    if not config.parallel_config.enable_elastic_ep:
+        return NoElasticEP()
+    from minicore.dp.elastic_ep import ElasticEP  # Ray and torch.distributed: only with it
+
+    return ElasticEP()
 
 
 def make_engine_core(config: EngineConfig, model=None, tokenizer=None) -> EngineCore:

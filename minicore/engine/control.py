@@ -9,7 +9,7 @@ is mixed into EngineCore; ProcControl into EngineCoreProc, where "idle" is the b
 rank's: its wave ended on every rank).
 The guarded surface: a UTILITY message may name only the public methods of EngineControl
 (UTILITY_METHODS), and collective_rpc only what minicore/engine/worker_rpc.py lets through.
-Left out: LoRA, profiling, elastic scaling, IPC weight transfer (the runner's group is NCCL's or
+Left out: LoRA, profiling, IPC weight transfer (the runner's group is NCCL's or
 gloo's: minicore/dp/weight_transfer.py).
 """
 
@@ -202,6 +202,11 @@ class EngineControl:
 
     def update_weight_version(self, weight_version: str) -> None:
         self.weight_version = str(weight_version)
+
+    def reinitialize_distributed(self, new_data_parallel_size: int, port: int):
+        """Elastic EP, on a paused DP rank: re-form the DP group with new_data_parallel_size
+        ranks at port, re-shard the experts (minicore/dp/elastic_ep.py; refused without it)."""
+        return self.elastic_ep.reinitialize(self, new_data_parallel_size, port)
 
     # ---- for operators and tests ---------------------------------------------------------------
 

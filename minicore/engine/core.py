@@ -42,6 +42,7 @@ class EngineCore(EngineControl):
         self.structured_output_manager = components.structured_output_manager
         self.scheduler = components.scheduler
         self.drafter = components.drafter
+        self.elastic_ep = components.elastic_ep
         self._check_request = components.check_request
         # The forward's one thread, started on first use: the model's thread-local state stays put.
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="EngineCore-forward")

@@ -51,7 +51,8 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = config.scheduler_config.max_model_len
         self.policy = get_policy(config.scheduler_config.policy)
-        self.engine_ranks = config.parallel_config.engine_ranks
+        # Read at each request: an elastic scale changes the ranks.
+        self.parallel_config = config.parallel_config
         self.max_logprobs = config.model_config.max_logprobs
         self.has_logits = runner_info(config.model_config.runner).has_logits
         self.structured_outputs_refused = structured_outputs_unsupported(config, self.has_logits)
@@ -90,10 +91,11 @@ class InputProcessor:
             names = " or ".join(n for n in policy_names() if get_policy(n).uses_priority)
             raise InvalidRequestError(f"priority {priority} needs a scheduling policy that uses "
                                       f"priorities (--scheduling-policy {names})", "priority")
-        if data_parallel_rank is not None and data_parallel_rank not in self.engine_ranks:
+        ranks = self.parallel_config.engine_ranks
+        if data_parallel_rank is not None and data_parallel_rank not in ranks:
             raise InvalidRequestError(
                 f"data_parallel_rank {data_parallel_rank} is out of range: this frontend's data "
-                f"parallel engines are ranks {rank_span(self.engine_ranks)}", "data_parallel_rank")
+                f"parallel engines are ranks {rank_span(ranks)}", "data_parallel_rank")
         token_ids = self._truncate(self.tokenize(prompt, add_special_tokens),
                                    params.truncate_prompt_tokens)
         try:

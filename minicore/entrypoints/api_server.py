@@ -31,6 +31,7 @@ from minicore.engine.async_llm import AsyncLLM
 from minicore.engine.core_client import EngineDeadError
 from minicore.engine.output_processor import RequestFailedError
 from minicore.entrypoints.dev_endpoints import attach_dev_routes, dev_mode
+from minicore.entrypoints.elastic_ep import attach_elastic_ep_routes
 from minicore.entrypoints.metrics import ServerMetrics
 from minicore.entrypoints.openai_protocol import (
     ChatCompletionRequest,
@@ -113,6 +114,7 @@ def build_app(client: AsyncLLM, serving: OpenAIServing, metrics: ServerMetrics,
     # The dev routes (VLLM_SERVER_DEV_MODE=1) need the key too: they can stop generation,
     # free the engines' memory and load weights (vLLM leaves them open).
     dev_paths = attach_dev_routes(app, client, metrics) if dev_mode() else frozenset()
+    dev_paths |= attach_elastic_ep_routes(app, client, metrics)
     if api_key:
         app.add_middleware(AuthenticationMiddleware, api_key=api_key, also=dev_paths)
     limits = limits or HttpLimits()

@@ -237,53 +237,71 @@ class ServerMetrics:
         self.exposed.register(SchedulerStatsCollector(
             prefix, model_name, stats, speculative.num_speculative_tokens if speculative else 0,
             first_rank))
-        self.engine_labels = [str(first_rank + e) for e in range(num_engines)]
-        self.model_name, self.num_engines = model_name, num_engines
-
-        def per_engine(metric):
-            return [metric.labels(model_name, label) for label in self.engine_labels]
-
+        self.model_name, self._first_rank = model_name, first_rank
         token_buckets = build_1_2_5_buckets(config.scheduler_config.max_model_len)
-        self.counters = {attr: per_engine(Counter(f"{prefix}:{name}", doc, LABELS, registry=reg))
-                         for attr, name, doc in COUNTERS}
-        self.histograms = {
-            attr: per_engine(Histogram(f"{prefix}:{name}", doc, LABELS, registry=reg,
-                                       buckets=token_buckets if buckets is None else buckets))
+        # The metrics with a series per engine, and those series, by engine.
+        self._counter_metrics = {attr: Counter(f"{prefix}:{name}", doc, LABELS, registry=reg)
+                                 for attr, name, doc in COUNTERS}
+        self._histogram_metrics = {
+            attr: Histogram(f"{prefix}:{name}", doc, LABELS, registry=reg,
+                            buckets=token_buckets if buckets is None else buckets)
             for attr, name, doc, buckets in HISTOGRAMS}
-        success = Counter(f"{prefix}:request_success", "Count of successfully processed requests.",
-                          LABELS + ["finished_reason"], registry=reg)
-        self._success = {str(reason): [success.labels(model_name, label, str(reason))
-                                       for label in self.engine_labels] for reason in FinishReason}
+        self._success_metric = Counter(f"{prefix}:request_success",
+                                       "Count of successfully processed requests.",
+                                       LABELS + ["finished_reason"], registry=reg)
+        self.counters = {attr: [] for attr in self._counter_metrics}
+        self.histograms = {attr: [] for attr in self._histogram_metrics}
+        self._success = {str(reason): [] for reason in FinishReason}
         self._info_gauges(prefix, dataclasses.replace(config.cache_config, num_blocks=num_blocks))
+        # Plain totals for the log line (prometheus_client does not expose its values).
+        self.num_prompt_tokens: list[int] = []
+        self.num_generation_tokens: list[int] = []
+        # The tokens of the frame being processed, by engine: iteration_tokens_total.
+        self._iteration_tokens: list[int] = []
+        self.engine_labels: list[str] = []
+        self.add_engines(num_engines)
         # The dev routes' operations (VLLM_SERVER_DEV_MODE=1): sleep, wake; weight transfer.
         self.sleep_operations = OperationMetrics(reg, prefix, "sleep_mode", "sleep-mode")
         self.weight_operations = OperationMetrics(reg, prefix, "rl_weight_update",
                                                   "weight-transfer")
-        # Plain totals for the log line (prometheus_client does not expose its values).
-        self.num_prompt_tokens = [0] * num_engines
-        self.num_generation_tokens = [0] * num_engines
-        # The tokens of the frame being processed, by engine: iteration_tokens_total.
-        self._iteration_tokens = [0] * num_engines
 
     def _info_gauges(self, prefix: str, cache_config: CacheConfig) -> None:
         """cache_config_info (a gauge set to 1, labelled by the cache config's fields, vLLM's
         num_gpu_blocks for num_blocks) and engine_sleep_state (awake until set_sleep_levels)."""
-        info = {("num_gpu_blocks" if f.name == "num_blocks" else f.name):
-                str(getattr(cache_config, f.name)) for f in dataclasses.fields(cache_config)}
-        cache_info = Gauge(f"{prefix}:cache_config_info",
-                           "Information of the LLMEngine CacheConfig", list(info) + ["engine"],
-                           registry=self.registry, multiprocess_mode="mostrecent")
+        self._cache_info = {("num_gpu_blocks" if f.name == "num_blocks" else f.name):
+                            str(getattr(cache_config, f.name))
+                            for f in dataclasses.fields(cache_config)}
+        self._cache_info_metric = Gauge(
+            f"{prefix}:cache_config_info", "Information of the LLMEngine CacheConfig",
+            list(self._cache_info) + ["engine"], registry=self.registry,
+            multiprocess_mode="mostrecent")
         self.sleep_state = Gauge(f"{prefix}:engine_sleep_state", SLEEP_STATE_HELP,
                                  LABELS + ["sleep_state"], registry=self.registry,
                                  multiprocess_mode="mostrecent")
-        for label in self.engine_labels:
-            cache_info.labels(**info, engine=label).set(1)
-        self.set_sleep_levels([0] * self.num_engines)
 
-    def set_sleep_levels(self, levels: list[int]) -> None:
+    def add_engines(self, num_engines: int) -> None:
+        """Series for the engines up to num_engines (more after an elastic scale up; those of an
+        engine a scale down removed stay, with their counts)."""
+        for e in range(len(self.engine_labels), num_engines):
+            label = str(self._first_rank + e)
+            self.engine_labels.append(label)
+            for attr, metric in self._counter_metrics.items():
+                self.counters[attr].append(metric.labels(self.model_name, label))
+            for attr, metric in self._histogram_metrics.items():
+                self.histograms[attr].append(metric.labels(self.model_name, label))
+            for reason in FinishReason:
+                self._success[str(reason)].append(
+                    self._success_metric.labels(self.model_name, label, str(reason)))
+            self._cache_info_metric.labels(**self._cache_info, engine=label).set(1)
+            for totals in (self.num_prompt_tokens, self.num_generation_tokens,
+                           self._iteration_tokens):
+                totals.append(0)
+            self.set_sleep_levels({e: 0})
+
+    def set_sleep_levels(self, levels: list[int] | dict[int, int]) -> None:
         """Each engine's sleep level (0 awake, 1 weights offloaded, 2 all discarded), as
         AsyncLLM reports it after sleep and wake_up."""
-        for e, level in enumerate(levels):
+        for e, level in dict(enumerate(levels) if isinstance(levels, list) else levels).items():
             for index, state in enumerate(SLEEP_STATES):
                 self.sleep_state.labels(self.model_name, self.engine_labels[e], state).set(
                     index == level)

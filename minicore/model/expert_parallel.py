@@ -111,8 +111,7 @@ def shard_experts(model: nn.Module, group: ProcessGroup) -> ExpertParallelInfo:
     model) and make each layer's experts exchange tokens with the other ranks of ``group`` (gloo on
     CPU, NCCL on CUDA). Every rank of the group must call it, on the same model; from then on every
     rank must run each forward together with the others."""
-    ep_rank, ep_size = group.rank(), group.size()
-    num_experts = check_expert_parallel(model.config, ep_size)
+    num_experts = check_expert_parallel(model.config, group.size())
     blocks = [m for m in model.modules() if is_moe_block(m)]
     if any(isinstance(block.experts, ExpertParallelExperts) for block in blocks):
         raise ExpertParallelError("the model's experts are already sharded")
@@ -120,17 +119,39 @@ def shard_experts(model: nn.Module, group: ProcessGroup) -> ExpertParallelInfo:
         raise ExpertParallelError(
             f"dense model ({model.config.model_type}): no layer of it has experts; "
             "--enable-expert-parallel needs a mixture-of-experts model")
-    local_num_experts, expert_map = determine_expert_map(ep_size, ep_rank, num_experts)
     counts = _ForwardTokenCounts(group)
     # Every MoE layer of one forward sees the same tokens: their counts are gathered once, by the
     # first MoE layer, and forgotten when the forward starts and ends.
     model.base_model.register_forward_pre_hook(counts.forget)
     model.base_model.register_forward_hook(counts.forget)
+    return _place_experts(blocks, [block.experts for block in blocks], num_experts, counts)
+
+
+def reshard_experts(model: nn.Module, source: nn.Module, group: ProcessGroup) -> ExpertParallelInfo:
+    """Elastic EP: ``model``'s MoE layers (sharded) take this rank's experts over ``group``, a new
+    group of another size, from ``source``, a whole copy of the same checkpoint loaded anew."""
+    num_experts = check_expert_parallel(model.config, group.size())
+    blocks = [m for m in model.modules()
+              if isinstance(getattr(m, "experts", None), ExpertParallelExperts)]
+    sources = [m.experts for m in source.modules() if is_moe_block(m)]
+    counts = blocks[0].experts._counts
+    counts.group = group
+    counts.forget()
+    return _place_experts(blocks, sources, num_experts, counts)
+
+
+def _place_experts(blocks: list[nn.Module], sources: list[nn.Module], num_experts: int,
+                   counts: _ForwardTokenCounts) -> ExpertParallelInfo:
+    """Each block's experts: this rank's slice of its source's (transformers' whole experts
+    module), exchanging tokens over the counts' group."""
+    group = counts.group
+    ep_rank, ep_size = group.rank(), group.size()
+    local_num_experts, expert_map = determine_expert_map(ep_size, ep_rank, num_experts)
     start = int((expert_map >= 0).nonzero()[0])
-    for block in blocks:
+    for block, source in zip(blocks, sources, strict=True):
         block.experts = ExpertParallelExperts(
-            _slice_experts(block.experts, start, local_num_experts, num_experts),
-            expert_map, group, counts)
+            _slice_experts(source, start, local_num_experts, num_experts), expert_map, group,
+            counts)
     local = range(start, start + local_num_experts)
     return ExpertParallelInfo(ep_rank, ep_size, num_experts, local, len(blocks))
 

@@ -10,7 +10,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from minicore.config import create_engine_config
-from minicore.entrypoints.metrics import ServerMetrics, StatsLogger, sum_stats
+from minicore.entrypoints.metrics import ServerMetrics
+from minicore.entrypoints.stats_logger import StatsLogger, sum_stats
 from minicore.protocol import SchedulerStats, SpecDecodingStats
 
 MODEL = "m"
