@@ -243,8 +243,8 @@ async def benchmark(args, base: str, result_filename: str) -> dict:
 
 @contextlib.contextmanager
 def started_server(command: list[str], port: int):
-    """A server started in its own session, yielding its base URL once /health answers 200; on
-    exit its process group gets SIGTERM, then SIGKILL."""
+    """A server started in its own session, yielding its base URL and pid once /health answers
+    200; on exit its process group gets SIGTERM, then SIGKILL."""
     proc = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -253,7 +253,7 @@ def started_server(command: list[str], port: int):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{shlex.join(command)} did not start (exit {proc.poll()})")
             time.sleep(1)
-        yield base
+        yield base, proc.pid
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -290,7 +290,7 @@ def side_by_side(args) -> None:
     results = {}
     for name, command in sides.items():
         print(f"starting {name}: {shlex.join(command)}", flush=True)
-        with started_server(command, port) as base:
+        with started_server(command, port) as (base, _):
             stem = Path(args.result_filename).stem
             results[name] = asyncio.run(benchmark(args, base, f"{stem}_{name}.json"))
     print(f"CPU: {cpu_description()}")

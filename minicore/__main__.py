@@ -75,7 +75,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--headless", action="store_true",
         help="run only this machine's DP ranks, for a frontend on another machine")
     groups["data parallel"].add_argument(
-        "--data-parallel-rank", "-dpn", type=int, default=None,
+        "--data-parallel-rank", "-dpn", type=int, default=None, dest="instance_rank",
         help="this instance's one DP rank, behind an external load balancer (vLLM's flag: sets "
              "--data-parallel-external-lb)")
     groups["data parallel"].add_argument(
@@ -138,12 +138,12 @@ def check_local_paths(config) -> None:
 def _infer_load_balancing(args: argparse.Namespace) -> None:
     """vLLM's serve rules: --data-parallel-rank R is external load balancing with rank R here;
     --data-parallel-start-rank without --headless is hybrid."""
-    if args.data_parallel_rank is not None:
+    if args.instance_rank is not None:
         if args.headless:
             raise ValueError("--data-parallel-rank is an external load balancer's instance; "
                              "--headless ranks take --data-parallel-start-rank")
         args.data_parallel_external_lb = True
-        args.data_parallel_start_rank = args.data_parallel_rank
+        args.data_parallel_start_rank = args.instance_rank
     elif args.data_parallel_external_lb:
         raise ValueError("`--data-parallel-external-lb` requires a data-parallel rank. Set "
                          "`--data-parallel-rank`.")

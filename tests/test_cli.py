@@ -24,7 +24,7 @@ from minicore.engine.arg_utils import engine_kwargs_from_cli
 from minicore.model.config import SimulatedCost
 
 CONFIGS = (ModelConfig, SchedulerConfig, CacheConfig, ParallelConfig)
-RUNTIME_FIELDS = {"num_blocks", "data_parallel_rank", "model_source"}
+RUNTIME_FIELDS = {"num_blocks", "data_parallel_rank", "model_source", "client_count"}
 
 
 def engine_config(argv: list[str]) -> EngineConfig:
@@ -109,7 +109,8 @@ def test_generate_flags_round_trip():
     (["serve", "--simulated-cost", "step_s=1"], "--simulated-cost: not JSON"),
     (["serve", "--simulated-cost", '{"step_s": -1}'], "step_s must be >= 0 seconds"),
     (["serve", "--num-blocks", "8"], "unrecognized arguments: --num-blocks"),
-    (["serve", "--data-parallel-rank", "1"], "unrecognized arguments: --data-parallel-rank"),
+    (["serve", "--data-parallel-multi-port-external-lb"],
+     "unrecognized arguments: --data-parallel-multi-port-external-lb"),
     (["generate", "hi", "-dp", "2"], "unrecognized arguments: -dp"),
     (["generate", "hi", "--runner", "simulated"], "unrecognized arguments: --runner"),
 ])

@@ -15,8 +15,7 @@ same order, one at a time, all from this busy loop. One iteration of a running w
   3. with balance scheduling: the running counts (all-gather or all-reduce MAX), on every
      iteration, dummy ones included (inside schedule() a drained rank would never reach it).
 Waves, and why each rule holds: docs/DATA_PARALLEL.md; the frontend's side: DPCoordinator
-(minicore/dp/coordinator.py).
-Left out: elastic scaling (reinitialize_distributed), external load balancers.
+(minicore/dp/coordinator.py). Elastic EP re-forms the group between waves (dp/elastic_ep.py).
 """
 
 import asyncio

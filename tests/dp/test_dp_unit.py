@@ -184,7 +184,10 @@ def test_local_ranks():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--data-parallel-size", "2", "--data-parallel-start-rank", "1"], "--headless"),
+    # A start rank without --headless is hybrid load balancing (vLLM's rule), which needs the
+    # local size.
+    (["--data-parallel-size", "2", "--data-parallel-start-rank", "1"],
+     "`--data-parallel-hybrid-lb` requires `--data-parallel-size-local`"),
     (["--data-parallel-size", "2", "--headless"], "--data-parallel-start-rank > 0"),
     (["--balance-scheduling"], "data_parallel_size >= 2"),
     (["--data-parallel-size", "2", "--data-parallel-start-rank", "2", "--headless"],

@@ -155,6 +155,10 @@ class ScriptedClient:
         self.aborted: list[str] = []
         self._abort_events: dict[str, asyncio.Event] = {}
 
+    @property
+    def num_engines(self) -> int:
+        return len(self.config.parallel_config.engine_ranks)
+
     async def generate(self, request, *, prompt_text=None):
         request_id, params = request.request_id, request.sampling_params
         prompt, prompt_token_ids = prompt_text, request.prompt_token_ids
