@@ -97,3 +97,21 @@ async def assert_all_engines_idle(client: AsyncLLM, timeout: float = 10) -> None
     assert not dead and client.is_healthy, (
         f"engine ranks {dead} died ({client.engine_core._dead_reason})")
     assert client.output_processor.request_states == {}
+
+
+def token_prompts(model_dir: str, lengths: list[int]) -> list[list[int]]:
+    """A prompt of token ids of each length, spread over the model's vocabulary (the first
+    three ids left out)."""
+    vocab_size, _ = read_vocab(model_dir)
+    return [[(7 * i + 3 * j) % (vocab_size - 3) + 3 for j in range(length)]
+            for i, length in enumerate(lengths)]
+
+
+def one_engine_tokens(model_dir: str, prompts: list[list[int]], params,
+                      **engine_args) -> list[list[int]]:
+    """The token ids one in-process engine gives the prompts (params: one SamplingParams, or
+    one each)."""
+    from minicore.llm import LLM
+
+    outputs = LLM(model_dir, **engine_args).generate(prompts, params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]

@@ -16,7 +16,14 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import ray
-from dp_helpers import assert_all_engines_idle, dp_client, free_port_pair, wait_idle
+from dp_helpers import (
+    assert_all_engines_idle,
+    dp_client,
+    free_port_pair,
+    one_engine_tokens,
+    token_prompts,
+    wait_idle,
+)
 from ray.cluster_utils import Cluster
 from server_helpers import free_port
 from test_api_unit import MODEL, ScriptedClient, tokenizer_and_vocab
@@ -27,7 +34,6 @@ from minicore.engine.input_processor import InvalidRequestError
 from minicore.entrypoints.api_server import build_app
 from minicore.entrypoints.metrics import ServerMetrics
 from minicore.entrypoints.serving import OpenAIServing
-from minicore.llm import LLM
 from minicore.sampling_params import SamplingParams
 
 __all__ = ["tokenizer_and_vocab"]  # a fixture, used by name
@@ -57,13 +63,9 @@ def engine_actor_names() -> list[str]:
 async def test_elastic_ep_scales_2_3_2_with_requests_in_flight(elastic_cluster, moe_model_dir,
                                                               monkeypatch):
     model_dir = moe_model_dir("qwen3_moe")
-    reference = LLM(model_dir, **ENGINE_ARGS)
-    vocab_size = reference.llm_engine.model_runner.vocab_size
-    prompts = [[(7 * i + 3 * j) % (vocab_size - 3) + 3 for j in range(5 + i)] for i in range(6)]
+    prompts = token_prompts(model_dir, [5 + i for i in range(6)])
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    expected = [o.outputs[0].token_ids
-                for o in reference.generate(prompts, params, use_tqdm=False)]
-    del reference
+    expected = one_engine_tokens(model_dir, prompts, params, **ENGINE_ARGS)
 
     monkeypatch.setenv("RAY_ADDRESS", elastic_cluster.address)
     config = create_engine_config(

@@ -32,7 +32,14 @@ import httpx
 import psutil
 import pytest
 import ray
-from dp_helpers import assert_all_engines_idle, dp_client, free_port_pair, wait_idle
+from dp_helpers import (
+    assert_all_engines_idle,
+    dp_client,
+    free_port_pair,
+    one_engine_tokens,
+    token_prompts,
+    wait_idle,
+)
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.state import list_actors, list_nodes, list_placement_groups
@@ -42,7 +49,6 @@ from server_helpers import ServerProcess, free_port, run_python
 from test_dp_server import PROMPTS, SMALL, _complete, _metrics, _successes, reference  # noqa: F401
 
 from minicore.config import create_engine_config
-from minicore.llm import LLM
 from minicore.sampling_params import SamplingParams
 
 FAIL_FAST_S = 5
@@ -237,14 +243,9 @@ async def test_ray_expert_parallel_with_the_balance_gate_gives_one_engines_token
     # Rank 0 gets three requests of different lengths (full at max_num_seqs 3: the gate closes on
     # both ranks), rank 1 one, shorter: it runs dummy forwards before and after it.
     plan = [(0, 23, 24), (0, 5, 32), (0, 11, 16), (1, 9, 8)]
-    reference_llm = LLM(model_dir, **engine_args)
-    vocab_size = reference_llm.llm_engine.model_runner.vocab_size
-    prompts = [[(7 * i + 3 * j) % (vocab_size - 3) + 3 for j in range(length)]
-               for i, (_, length, _) in enumerate(plan)]
+    prompts = token_prompts(model_dir, [length for _, length, _ in plan])
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for *_, n in plan]
-    expected = [o.outputs[0].token_ids
-                for o in reference_llm.generate(prompts, params, use_tqdm=False)]
-    del reference_llm
+    expected = one_engine_tokens(model_dir, prompts, params, **engine_args)
 
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)
     config = create_engine_config(
