@@ -74,12 +74,14 @@ async def stream(client: AsyncLLM, args, prompts, reference) -> dict:
         await asyncio.sleep(args.interval)
     windows = {size: await task for size, task in scales.items()}
     await asyncio.gather(*requests)
+    gaps = silences(token_times, spans)
     return {"requests": i, "mismatches": mismatches, "scales": {
         size: {"seconds": end - begin,
-               "longest_gap_s": longest_gap(token_times, spans, begin, end)}
+               "longest_gap_s": max((b - a for a, b in gaps if a < end and b > begin),
+                                    default=0.0)}
         for size, (begin, end) in windows.items()},
-        "longest_gap_elsewhere_s": longest_gap(token_times, spans, start, float("inf"),
-                                               exclude=list(windows.values()))}
+        "longest_gap_elsewhere_s": max((b - a for a, b in gaps if not any(
+            a < end and b > begin for begin, end in windows.values())), default=0.0)}
 
 
 async def timed_scale(client: AsyncLLM, size: int) -> tuple[float, float]:
@@ -88,15 +90,11 @@ async def timed_scale(client: AsyncLLM, size: int) -> tuple[float, float]:
     return begin, time.perf_counter()
 
 
-def longest_gap(times: list[float], spans: list, begin: float, end: float,
-                exclude: list | None = None) -> float:
-    """The longest interval in [begin, end] with a request in flight (between its first and last
-    token) and no token to anyone; intervals that touch an excluded window are left out."""
-    times = sorted(t for t in times if begin <= t <= end)
-    gaps = [(a, b) for a, b in zip(times, times[1:])
-            if any(s <= a and b <= e for s, e in spans)
-            and not any(a < we and b > wb for wb, we in exclude or [])]
-    return max((b - a for a, b in gaps), default=0.0)
+def silences(times: list[float], spans: list) -> list[tuple[float, float]]:
+    """The intervals between consecutive tokens (to anyone) while a request was in flight
+    (between its first and last token)."""
+    times = sorted(times)
+    return [(a, b) for a, b in zip(times, times[1:]) if any(s <= a and b <= e for s, e in spans)]
 
 
 async def run(args) -> dict:

@@ -194,11 +194,10 @@ class AsyncMPClient:
         for rank, proc in self.manager.procs.items():
             loop.add_reader(proc.sentinel, functools.partial(self._on_engine_exit, rank))
 
-    def _take_first_input_frames(self, deadline: float, count: int | None = None) -> None:
-        """Each engine's first frame on the input socket lets the ROUTER route to it (count: of
-        that many engines, default all). It was sent before the model load, so it is here by now
-        (a blocking poll, as vLLM's)."""
-        for _ in range(self.num_engines if count is None else count):
+    def _take_first_input_frames(self, deadline: float) -> None:
+        """Each engine's first frame on the input socket lets the ROUTER route to it. It was sent
+        before the model load, so it is here by now (a blocking poll, as vLLM's)."""
+        for _ in range(self.num_engines):
             timeout_ms = max(0, int((deadline - time.monotonic()) * 1000))
             if not self.input_socket.poll(timeout=timeout_ms):
                 raise TimeoutError("an engine core's first input frame did not arrive")
