@@ -1,8 +1,9 @@
 """Elastic expert parallelism (--enable-elastic-ep, POST /scale_elastic_ep) on a two-node Ray
 cluster made here (a head of one CPU, a second node of two), with a tiny Qwen3-MoE of 8 experts.
 
-- 2 -> 3 -> 2 ranks with requests in flight at each scale: every request completes, once, with
-  one engine's greedy tokens (float32); the new rank serves (a request pinned to it); the rank a
+- 2 -> 3 -> 2 ranks with requests in flight at each scale, the balance gate on (its count sync
+  runs on the new group): every request completes, once, with one engine's greedy tokens
+  (float32); the new rank serves (a request pinned to it); the rank a
   scale down removes is gone, and requests pinned to it are refused afterwards; a second scale
   while one runs is refused;
 - refused, with the engines serving on: below one rank, more ranks than experts, more than the
@@ -71,7 +72,8 @@ async def test_elastic_ep_scales_2_3_2_with_requests_in_flight(elastic_cluster, 
     config = create_engine_config(
         model=model_dir, data_parallel_size=2, data_parallel_backend="ray",
         data_parallel_size_local=1, data_parallel_rpc_port=free_port_pair(),
-        enable_expert_parallel=True, enable_elastic_ep=True, **ENGINE_ARGS)
+        enable_expert_parallel=True, enable_elastic_ep=True, balance_scheduling=True,
+        **ENGINE_ARGS)
     names = iter(range(1000))
 
     async def run(i, rank=None):
