@@ -195,8 +195,8 @@ def _serve(args: argparse.Namespace) -> None:
 
         try:
             run_multi_api_server(config, args)
-        except RuntimeError as e:  # a process of the service exited, or failed to start
-            raise SystemExit(f"minicore: {e}") from None
+        except (RuntimeError, TimeoutError) as e:  # a process of the service exited, or
+            raise SystemExit(f"minicore: {e}") from None  # failed to start in time
         return
     uvloop.run(run_server(config, args))
 
