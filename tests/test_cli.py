@@ -156,15 +156,20 @@ def test_expert_parallel_flag():
     assert not engine_config(["serve", "-dp", "2"]).parallel_config.enable_expert_parallel
 
 
-SUPPORTED_MOE = "(supported model types: mixtral, olmoe, qwen2_moe, qwen3_moe)"
+SUPPORTED_MOE = ("(supported model types: deepseek_v2, deepseek_v3, mixtral, olmoe, qwen2_moe, "
+                 "qwen3_moe)")
 
 
 @pytest.mark.parametrize("model_type, config_args, dp, message", [
     ("llama", {}, 2,
      "dense model (llama): --enable-expert-parallel needs a mixture-of-experts model "
      + SUPPORTED_MOE),
+    # Its MoE expert parallelism shards, but not its attention: refused before any engine too.
     ("deepseek_v3", {"n_routed_experts": 8}, 2,
-     "expert parallelism does not support 'deepseek_v3' models " + SUPPORTED_MOE),
+     "model 'deepseek_v3' (?) uses multi-head latent attention (kv_lora_rank / q_lora_rank): "
+     "minicore's paged attention cannot run it"),
+    ("phimoe", {"num_local_experts": 4}, 2,
+     "expert parallelism does not support 'phimoe' models " + SUPPORTED_MOE),
     ("olmoe", {"num_experts": 4}, 8,
      "expert parallelism over 8 ranks needs at least 8 experts per layer (one per rank); "
      "this olmoe model has 4"),

@@ -67,8 +67,10 @@ def resolve_model(config: EngineConfig) -> EngineConfig:
         from transformers import AutoConfig
 
         from minicore.model.expert_parallel import check_expert_parallel
+        from minicore.model.loader import check_config_attention
 
         hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        check_config_attention(hf_config)  # a DeepSeek's MoE would pass, its attention not yet
         check_expert_parallel(hf_config, pc.data_parallel_size)
     config = resolve_max_model_len(config, read_json_file(model_dir, "config.json"),
                                    read_json_file(config.model_config.tokenizer or model_dir,

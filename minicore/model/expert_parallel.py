@@ -14,8 +14,9 @@ Mirrors two pieces of vLLM:
   gets back the finished rows of its own tokens. Same math as the unsharded layer, up to the order
   of the float sums.
 
-It works through transformers' own modules: the router, the shared experts (Qwen2-MoE) and every
-dense and attention weight stay whole on every rank; the experts module of each MoE layer (stacked
+It works through transformers' own modules: the router (DeepSeek's grouped top-k with its
+correction bias too), the shared experts (Qwen2-MoE, DeepSeek) and every dense and attention weight
+stay whole on every rank; the experts module of each MoE layer (stacked
 ``gate_up_proj`` / ``down_proj`` parameters, ``forward(hidden_states, top_k_index,
 top_k_weights)``) is sliced to this rank's experts and wrapped. Routes to another rank's expert
 become transformers' own expert-parallel sentinel (local id ``num_experts``, weight 0), which each
@@ -48,7 +49,10 @@ from minicore.model.loader import resolve_device
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
+# DeepSeek-V2/V3's MoE too (shared experts and the grouped router stay whole on every rank); their
+# attention, multi-head latent attention, is not minicore's yet: the loader refuses them.
+SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "mixtral", "olmoe", "qwen2_moe",
+                         "qwen3_moe")
 # Where transformers' configs keep the number of routed experts.
 _NUM_EXPERTS_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 _STACKED_WEIGHTS = ("gate_up_proj", "down_proj")

@@ -99,6 +99,12 @@ def _check_config_before_loading(model_dir: Path) -> None:
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError, KeyError):
         return  # _from_pretrained reports a broken model directory in its own words
+    check_config_attention(config)
+
+
+def check_config_attention(config) -> None:
+    """ModelLoadError for a transformers config whose attention minicore cannot run (from its
+    fields alone)."""
     architecture = (getattr(config, "architectures", None) or ["?"])[0]
     _refuse(config, architecture, _unsupported_attention(config))
 

@@ -28,10 +28,28 @@ FAMILIES = {
 }
 
 
+# DeepSeek's MoE (shared experts, grouped top-k routing with the correction bias, dense first
+# layers), V3 with q_lora and V2-Lite's shape without. Expert parallelism shards them (tested on
+# transformers' own forward); minicore cannot serve them yet (multi-head latent attention).
+MLA_FAMILIES = {
+    "deepseek_v3": dict(n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=16,
+                        intermediate_size=48, num_hidden_layers=3, first_k_dense_replace=1,
+                        n_group=2, topk_group=1, routed_scaling_factor=2.5, num_key_value_heads=4,
+                        kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                        v_head_dim=8),
+    "deepseek_v2": dict(n_routed_experts=6, n_shared_experts=2, moe_intermediate_size=16,
+                        intermediate_size=48, num_hidden_layers=3, first_k_dense_replace=1,
+                        n_group=3, topk_group=2, topk_method="group_limited_greedy",
+                        num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8),
+}
+EP_FAMILIES = {**FAMILIES, **MLA_FAMILIES}
+
+
 def tiny_moe_config(family: str, **overrides):
     from transformers import AutoConfig
 
-    return AutoConfig.for_model(family, **{**_COMMON, **FAMILIES[family], **overrides})
+    return AutoConfig.for_model(family, **{**_COMMON, **EP_FAMILIES[family], **overrides})
 
 
 def build_tiny_moe(family: str, path: Path, seed: int = 0, **overrides) -> Path:

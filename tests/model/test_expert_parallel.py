@@ -11,7 +11,7 @@ import queue
 import pytest
 import torch
 from ep_workers import EXPERTS_IMPLEMENTATIONS, TOKEN_COUNTS, rank_main
-from moe_models import FAMILIES, build_tiny_moe, tiny_moe_config
+from moe_models import EP_FAMILIES, build_tiny_moe, tiny_moe_config
 
 from minicore.model.expert_parallel import (
     ExpertParallelError,
@@ -29,7 +29,7 @@ TIMEOUT_S = 120
 def reports(tmp_path_factory) -> dict[int, dict]:
     """Every rank's report (see ep_workers), from one fork of both ranks."""
     root = tmp_path_factory.mktemp("moe")
-    model_dirs = {family: str(build_tiny_moe(family, root / family)) for family in FAMILIES}
+    model_dirs = {family: str(build_tiny_moe(family, root / family)) for family in EP_FAMILIES}
     # Forked, as the suite's engines are (tests/conftest.py): no re-import of torch.
     ctx = multiprocessing.get_context("fork")
     results, port = ctx.Queue(), free_port()
@@ -51,14 +51,14 @@ def reports(tmp_path_factory) -> dict[int, dict]:
     return got
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(EP_FAMILIES))
 def test_sharded_model_gives_each_rank_the_unsharded_logits(reports, family):
     for rank in range(RANKS):
         for implementation, mismatch in reports[rank][family]["mismatch"].items():
             assert mismatch is None, f"rank {rank}, experts_implementation={implementation}"
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(EP_FAMILIES))
 def test_every_rank_issues_the_same_collectives(reports, family):
     per_forward = [reports[rank][family]["collectives"] for rank in range(RANKS)]
     assert per_forward[0] == per_forward[1]
@@ -69,11 +69,13 @@ def test_every_rank_issues_the_same_collectives(reports, family):
     assert len(expected) == reports[0][family]["collectives_per_forward"]
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(EP_FAMILIES))
 def test_each_rank_keeps_only_its_experts(reports, family):
     config = tiny_moe_config(family)
     num_experts = check_expert_parallel(config, RANKS)
-    num_layers = config.num_hidden_layers - len(getattr(config, "mlp_only_layers", None) or [])
+    dense_layers = (len(getattr(config, "mlp_only_layers", None) or [])
+                    + (getattr(config, "first_k_dense_replace", None) or 0))
+    num_layers = config.num_hidden_layers - dense_layers
     ranges = [reports[rank][family]["local_experts"] for rank in range(RANKS)]
     # Contiguous, covering every expert once, the first E % N ranks one more.
     assert ranges == [(0, -(-num_experts // 2)), (-(-num_experts // 2), num_experts)]
@@ -101,8 +103,8 @@ def test_refusals_from_the_config_alone():
 
     with pytest.raises(ExpertParallelError, match=r"dense model \(llama\).*qwen3_moe"):
         check_expert_parallel(AutoConfig.for_model("llama"), 2)
-    with pytest.raises(ExpertParallelError, match="does not support 'deepseek_v3'.*mixtral"):
-        check_expert_parallel(AutoConfig.for_model("deepseek_v3", n_routed_experts=8), 2)
+    with pytest.raises(ExpertParallelError, match="does not support 'phimoe'.*mixtral"):
+        check_expert_parallel(AutoConfig.for_model("phimoe", num_local_experts=8), 2)
     with pytest.raises(ExpertParallelError, match="over 8 ranks needs at least 8 .* has 4"):
         check_expert_parallel(tiny_moe_config("olmoe"), 8)
     assert check_expert_parallel(tiny_moe_config("mixtral"), 5) == 5
