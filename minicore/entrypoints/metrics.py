@@ -296,15 +296,17 @@ class ServerMetrics:
             for totals in (self.num_prompt_tokens, self.num_generation_tokens,
                            self._iteration_tokens):
                 totals.append(0)
-            self.set_sleep_levels({e: 0})
+            self._set_sleep_level(label, 0)
 
-    def set_sleep_levels(self, levels: list[int] | dict[int, int]) -> None:
+    def set_sleep_levels(self, levels: list[int]) -> None:
         """Each engine's sleep level (0 awake, 1 weights offloaded, 2 all discarded), as
         AsyncLLM reports it after sleep and wake_up."""
-        for e, level in dict(enumerate(levels) if isinstance(levels, list) else levels).items():
-            for index, state in enumerate(SLEEP_STATES):
-                self.sleep_state.labels(self.model_name, self.engine_labels[e], state).set(
-                    index == level)
+        for label, level in zip(self.engine_labels, levels):
+            self._set_sleep_level(label, level)
+
+    def _set_sleep_level(self, label: str, level: int) -> None:
+        for index, state in enumerate(SLEEP_STATES):
+            self.sleep_state.labels(self.model_name, label, state).set(index == level)
 
     def on_new_tokens(self, state: RequestState, num_new_tokens: int,
                       interval: float | None) -> None:
