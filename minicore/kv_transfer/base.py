@@ -85,7 +85,7 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 (vLLM's name)
 
     def register_kv_caches(self, kv_caches: list[Any]) -> None:
         """The runner's paged KV cache, one tensor per layer (kv_cache_shape in
-        minicore/model/attention.py). vLLM passes a dict by layer name."""
+        minicore/model/kv_cache_interface.py). vLLM passes a dict by layer name."""
         return None
 
     @abstractmethod

@@ -3,8 +3,10 @@
 Mirrors NixlConnectorWorker in vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py
 (vLLM 0.32: nixl/base_worker.py and nixl/pull_worker.py), small:
 - register_kv_caches registers the paged KV cache (one tensor per layer, kv_cache_shape in
-  minicore/model/attention.py: [2, num_blocks, block_size, heads, head_dim]) with a NIXL agent and
-  describes it as 2 * num_layers regions of num_blocks blocks; it keeps the tensors referenced
+  minicore/model/kv_cache_interface.py: [2, num_blocks, block_size, heads, head_dim]) with a NIXL
+  agent and describes it as 2 * num_layers regions of num_blocks blocks (MLA's cache, one latent
+  row a token: num_layers regions, as vLLM's use_mla; a block is then
+  block_size * (kv_lora_rank + qk_rope_head_dim) elements); it keeps the tensors referenced
   while registered (NIXL reads their memory behind torch's back).
 - A handshake listener thread answers GET_META_MSG on a ZMQ ROUTER at the side channel with this
   agent's metadata and region addresses; the decode side fetches it (ZMQ REQ) the first time it
@@ -155,8 +157,10 @@ class NixlConnectorWorker:
         first = self.kv_caches[0]
         num_blocks = first.shape[1]
         block_len = first[0, 0].numel() * first.element_size()
+        # A region per layer and entry: keys and values, or MLA's latent rows alone (vLLM's
+        # use_mla registers one region a layer too).
         bases = [t.data_ptr() + kv * t.stride(0) * t.element_size()
-                 for t in self.kv_caches for kv in (0, 1)]
+                 for t in self.kv_caches for kv in range(t.shape[0])]
         self._local_dlist = self.agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT", _block_descs(bases, num_blocks, block_len), "DRAM")
         self._metadata = NixlAgentMetadata(self.engine_id, self.agent.get_agent_metadata(),

@@ -20,9 +20,9 @@ Mirrors vLLM v1's attention backend layer, reduced to a torch implementation:
 ``compute_logits`` is the matching piece of ``LogitsProcessor`` (``vllm/model_executor/layers/
 logits_processor.py``): the per-family scale and final soft-cap that transformers applies in its
 ``*ForCausalLM.forward``, which minicore bypasses to run the LM head on sampling rows only.
-Left out: flash-attn / other CUDA kernels, ALiBi, sinks, multi-head latent attention (the loader
-refuses such models: ``minicore.model.loader.check_attention_supported``), cascade attention,
-quantized (fp8) KV caches and padded slots (``-1``) for CUDA graphs.
+DeepSeek's multi-head latent attention reads a cache of its own through these pieces
+(minicore/model/mla.py). Left out: flash-attn / other CUDA kernels, ALiBi, sinks (the loader
+refuses those models), cascade attention, fp8 KV caches and padded slots (``-1``) for CUDA graphs.
 
 The model is fed one packed batch: ``input_ids`` and ``position_ids`` of shape ``[1, T]``, with
 ``use_cache=False`` and the metadata as the ``minicore_meta`` keyword argument, which transformers
@@ -31,7 +31,7 @@ hands through every layer to the attention function.
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Callable, Container
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
@@ -85,7 +85,8 @@ class GatheredDecode:
     def attend(self, q, kv_cache, layer, meta, scaling, window, softcap) -> torch.Tensor:
         """Masked by length (and by the window: the last ``window`` keys). GQA: the query heads
         sharing a KV head are that head's query rows (no KV repeat)."""
-        k, v = _gather_kv(kv_cache, meta.decode_block_tables)
+        kv = _gather_kv(kv_cache, meta.decode_block_tables)
+        k, v = kv[0], kv[-1]  # a one-entry cache (MLA's) is its own value
         mask = meta.decode_mask
         if window is not None:
             kv_pos = torch.arange(mask.shape[-1], device=mask.device)
@@ -171,11 +172,6 @@ class AttentionMetadata:
         )
 
 
-def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
-    """Shape of one layer's KV cache: keys at index 0, values at index 1."""
-    return (2, num_blocks, block_size, num_kv_heads, head_dim)
-
-
 def use_paged_attention(model: PreTrainedModel) -> None:
     """Register the paged attention with transformers and switch ``model`` to it.
 
@@ -248,19 +244,35 @@ def paged_attention_forward(
     layer = module.layer_idx
     meta.decode_attention.update_kv(layer, k, v, kv_cache, meta)
 
-    def decode(q_decode: torch.Tensor) -> torch.Tensor:
-        return _decode_attention(q_decode, kv_cache, layer, meta, scaling, window, softcap)
+    def decode(rows: torch.Tensor | None) -> torch.Tensor:
+        q_decode = q if rows is None else q[rows]
+        return batched_decode_attention(q_decode, kv_cache, layer, meta, scaling, window,
+                                        softcap)
 
-    if not meta.prefill_seqs:  # decodes only (the steady state): token i is sequence i
-        return decode(q).unsqueeze(0), None
-    out = torch.empty_like(q)
+    def prefill(seq: int, start: int, end: int) -> torch.Tensor:
+        k_seq, v_seq = sequence_kv(k[start:end], v[start:end], kv_cache, meta, seq)
+        return prefill_attention(q[start:end], k_seq, v_seq, scaling, window, softcap)
+
+    return attend_by_kind(meta, decode, prefill).unsqueeze(0), None
+
+
+def attend_by_kind(meta: AttentionMetadata, decode: Callable[[torch.Tensor | None], torch.Tensor],
+                   prefill: Callable[[int, int, int], torch.Tensor]) -> torch.Tensor:
+    """The attention output of every token (``[T, heads, dim]``): the decode queries' in one call,
+    ``decode(rows)`` (their token rows; None when every token is one, the steady state, where
+    token i is sequence i), each prefill sequence's by ``prefill(seq, start, end)``."""
+    if not meta.prefill_seqs:
+        return decode(None)
+    out = None
+    for seq in meta.prefill_seqs:
+        start, end = meta.query_start_loc_cpu[seq], meta.query_start_loc_cpu[seq + 1]
+        part = prefill(seq, start, end)
+        if out is None:
+            out = part.new_empty(meta.query_start_loc_cpu[-1], *part.shape[1:])
+        out[start:end] = part
     if meta.decode_tokens.numel():
-        out.index_copy_(0, meta.decode_tokens, decode(q[meta.decode_tokens]))
-    for i in meta.prefill_seqs:
-        start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
-        k_seq, v_seq = _sequence_kv(k[start:end], v[start:end], kv_cache, meta, i)
-        out[start:end] = _prefill_attention(q[start:end], k_seq, v_seq, scaling, window, softcap)
-    return out.unsqueeze(0), None
+        out.index_copy_(0, meta.decode_tokens, decode(meta.decode_tokens))
+    return out
 
 
 def _refuse_unsupported(kwargs: dict) -> None:
@@ -275,23 +287,24 @@ def _refuse_unsupported(kwargs: dict) -> None:
 def write_kv_cache(
     kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store ``key``/``value`` rows (``[T, kv_heads, head_dim]``) at their slots."""
+    """Store ``key``/``value`` rows (``[T, kv_heads, head_dim]``) at their slots; a one-entry
+    cache (MLA's latent rows, minicore/model/kv_cache_interface.py) stores the keys alone."""
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    for entry, rows in zip(kv_cache, (key, value)):
+        entry.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, rows)
 
 
 def _gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """Keys and values of the blocks of each row of ``block_tables`` (``[rows, blocks]``):
-    ``[2, rows, kv_heads, blocks * block_size, head_dim]``."""
-    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    ``[entries, rows, kv_heads, blocks * block_size, head_dim]``."""
+    entries, _, _, num_kv_heads, head_dim = kv_cache.shape
     # index_select on whole blocks is faster on CPU than kv_cache[:, block_tables].
     kv = kv_cache.flatten(2).index_select(1, block_tables.flatten())
-    kv = kv.view(2, block_tables.shape[0], -1, num_kv_heads, head_dim)
+    kv = kv.view(entries, block_tables.shape[0], -1, num_kv_heads, head_dim)
     return kv.transpose(2, 3)
 
 
-def _decode_attention(
+def batched_decode_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     layer: int,
@@ -309,7 +322,7 @@ def _decode_attention(
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
-def _sequence_kv(
+def sequence_kv(
     new_k: torch.Tensor,
     new_v: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -323,11 +336,11 @@ def _sequence_kv(
     if new_k.shape[0] == seq_len:
         return new_k.transpose(0, 1).unsqueeze(0), new_v.transpose(0, 1).unsqueeze(0)
     num_blocks = -(-seq_len // kv_cache.shape[2])
-    k, v = _gather_kv(kv_cache, meta.block_tables[seq : seq + 1, :num_blocks])
-    return k[..., :seq_len, :], v[..., :seq_len, :]
+    kv = _gather_kv(kv_cache, meta.block_tables[seq : seq + 1, :num_blocks])
+    return kv[0, ..., :seq_len, :], kv[-1, ..., :seq_len, :]
 
 
-def _prefill_attention(
+def prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -353,7 +366,7 @@ def _prefill_attention(
             scale=scaling, enable_gqa=True,
         )
         return out[0].transpose(0, 1)
-    # GQA as in _decode_attention: q [kv_heads, group, Lq, head_dim], k, v [kv_heads, 1, Lk, ...]
+    # GQA as in batched_decode_attention: q [kv_heads, group, Lq, dim], k, v [kv_heads, 1, Lk, dim]
     q = q.transpose(0, 1).reshape(num_kv_heads, num_heads // num_kv_heads, num_queries, head_dim)
     out = _softcapped_attention(q, k[0].unsqueeze(1), v[0].unsqueeze(1), mask, scaling, softcap)
     return out.reshape(num_heads, num_queries, head_dim).transpose(0, 1)

@@ -33,6 +33,8 @@ def use_cpu_layers(model: torch.nn.Module, kernels: ctypes.CDLL | None) -> int:
         return bound
     for module in model.modules():
         forward = type(module).forward
+        if "forward" in vars(module):
+            continue  # minicore's already (DeepSeek's attention: mla.py)
         if same_code(forward, modeling_llama.LlamaRMSNorm.forward):
             module.forward = functools.partial(_norm, kernels, module, forward.__get__(module))
             bound += 1

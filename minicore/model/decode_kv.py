@@ -6,7 +6,8 @@ gathering every decoding sequence's blocks into one padded batch copies the whol
 once per layer per step. Instead the KV of each running request is also kept in rows that batched
 matmuls read as views, like vLLM's persistent ``InputBatch`` keeps a row per request. A request's
 positions are cut into chunks of ``chunk_size`` (256); chunk ``j`` of every request lives in pool
-``j``, a per-layer buffer ``[2, slots, kv_heads, chunk_size, head_dim]`` whose used slots are kept
+``j``, a per-layer buffer ``[2, slots, kv_heads, chunk_size, head_dim]`` (MLA's latent rows: one
+entry, not two) whose used slots are kept
 dense (a leaving request's slot takes the pool's last one). Decode attention reads each request's
 live rows in place: with the native kernel (native.py) where it builds, else in torch, chunk by
 chunk, one matmul over the used slots of that pool, up to the end of each request's last chunk,
@@ -59,7 +60,7 @@ class ChunkView:
 class RowKV:
     """One step's plan: the DecodeAttention (attention.py) the runner's AttentionMetadata
     carries while the pools fit."""
-    pools: list[list[torch.Tensor]]  # per chunk, per layer [2, capacity, kv_heads, chunk, dim]
+    pools: list[list[torch.Tensor]]  # per chunk, per layer [entries, capacity, heads, chunk, dim]
     chunk_size: int
     writes: list[tuple[int, torch.Tensor | None, torch.Tensor]]  # (chunk, token rows or None
     # for all of them, [tokens, kv_heads] flat index of each token's heads in the pool)
@@ -89,7 +90,9 @@ class DecodeKVBuffers:
 
     def __init__(self, kv_caches: list[torch.Tensor], chunk_size: int = CHUNK_SIZE,
                  kernel: ctypes.CDLL | None = None, token_queries: bool = False):
-        _, num_blocks, block_size, self.num_kv_heads, self.head_dim = kv_caches[0].shape
+        # A one-entry cache (MLA's latent rows) gets one-entry pools: its keys are its values.
+        self.num_entries, num_blocks, block_size, self.num_kv_heads, self.head_dim = (
+            kv_caches[0].shape)
         self.num_layers, self.dtype = len(kv_caches), kv_caches[0].dtype
         self.kernel = kernel if self.dtype in KERNEL_DTYPES else None
         # How decode attention reads the pools, chosen once: the kernel, else torch over views.
@@ -191,9 +194,9 @@ class DecodeKVBuffers:
         return True
 
     def _grow(self, chunk: int, capacity: int) -> None:
-        shape = (2, capacity, self.num_kv_heads, self.chunk_size, self.head_dim)
+        shape = (self.num_entries, capacity, self.num_kv_heads, self.chunk_size, self.head_dim)
         new = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
-        addresses = torch.tensor([[p.data_ptr(), p[1].data_ptr()] for p in new])
+        addresses = torch.tensor([[p.data_ptr(), p[-1].data_ptr()] for p in new])
         if chunk < len(self.pools):
             for pool, old in zip(new, self.pools[chunk]):
                 pool[:, :old.shape[1]] = old
@@ -308,7 +311,8 @@ def pooled_decode_attention(q: torch.Tensor, layer: int, rows: RowKV, seq_lens: 
     if window is None and len(rows.views) == 1 and _is_whole(rows.views[0], num_seqs):
         # One pool holds every decoding sequence, in order (the uniform case): no scatter.
         view = rows.views[0]
-        keys, values = pools[0][:, :num_seqs, :, :view.width]
+        rows_kv = pools[0][:, :num_seqs, :, :view.width]
+        keys, values = rows_kv[0], rows_kv[-1]
         scores = _chunk_scores(q, keys, view, scaling, softcap)
         return torch.matmul(torch.softmax(scores, dim=-1), values)
     q = torch.cat([q, q.new_zeros(1, *q.shape[1:])])
@@ -327,7 +331,7 @@ def pooled_decode_attention(q: torch.Tensor, layer: int, rows: RowKV, seq_lens: 
     probs = torch.softmax(scores, dim=-1)
     out = torch.zeros_like(q)
     for view in rows.views:
-        values = pools[view.chunk][1, :view.num_slots, :, :view.width]
+        values = pools[view.chunk][-1, :view.num_slots, :, :view.width]
         part = torch.matmul(_slot_rows(probs[..., _positions(view, rows.chunk_size)], view), values)
         if view.decode_index is None:
             out[:view.num_slots] += part

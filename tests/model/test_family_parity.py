@@ -5,15 +5,15 @@ generate(do_sample=False) token for token, with chunked prefill (a 16-token budg
 hits asserted to have happened. Gemma2 / Gemma3 / Mistral / Qwen2-MoE get a sliding window of 8,
 far shorter than the sequences, Gemma2 its attention and final logit soft-caps, Cohere and Granite
 their logit scales (which greedy tokens cannot see, so compute_logits is also checked against
-transformers' logits). A DeepSeek-V3 model (multi-head latent attention) is refused at load,
-naming the feature."""
+transformers' logits). DeepSeek-V3 (q_lora, YaRN) and V2 (no q_lora) run multi-head latent
+attention (minicore/model/mla.py; more in test_mla.py)."""
 
 import pytest
 import torch
 
 from minicore.llm import LLM
 from minicore.model.attention import compute_logits
-from minicore.model.loader import ModelLoadError, load_tokenizer, resolve_model_dir
+from minicore.model.loader import load_tokenizer, resolve_model_dir
 from minicore.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.model
@@ -28,6 +28,9 @@ _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden
                # vs eager attention) cannot flip an argmax.
                initializer_range=0.2)
 _MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+_MLA = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+            num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
+            first_k_dense_replace=1, **_MOE)
 FAMILIES = {
     "llama": {},
     "qwen2": {},
@@ -50,6 +53,13 @@ FAMILIES = {
                       **_MOE),
     "gpt_neox": dict(num_key_value_heads=4),  # no GQA: the cache layout reads this field
     "phi": {},
+    # Multi-head latent attention (mla.py): V3 with q_lora, YaRN scaling (its softmax scale's
+    # mscale too) and interleaved rotary; V2-Lite's shape without q_lora, complex rotary.
+    "deepseek_v3": dict(_MLA, q_lora_rank=32, n_group=2, topk_group=1,
+                        rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=10000.0,
+                                             original_max_position_embeddings=64,
+                                             mscale=1.0, mscale_all_dim=1.0)),
+    "deepseek_v2": dict(_MLA, q_lora_rank=None, n_group=1, topk_group=1),
 }
 # A shared 32-token prefix (two 16-token blocks) for cache hits, then distinct tails.
 _PREFIX = list(range(3, 35))
@@ -136,12 +146,3 @@ def test_logits_finished_as_transformers_does(family):
         expected = model(input_ids=ids).logits
     torch.testing.assert_close(compute_logits(config, head), expected)
     assert not torch.allclose(head, expected, atol=1e-3), "the family's finishing was a no-op"
-
-
-def test_multi_head_latent_attention_is_refused(tmp_path, tokenizer):
-    path = _build("deepseek_v3", tmp_path / "dsv3", tokenizer, kv_lora_rank=16, q_lora_rank=32,
-                  qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4,
-                  num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
-                  n_group=1, topk_group=1)
-    with pytest.raises(ModelLoadError, match=r"'deepseek_v3'.*multi-head latent attention"):
-        LLM(str(path))

@@ -83,7 +83,8 @@ def _tiny_on_meta(family: str, **overrides):
 
 
 @pytest.mark.parametrize("family,overrides,feature", [
-    ("deepseek_v2", {}, "multi-head latent attention"),
+    # DeepSeek-V2/V3's runs (mla.py); another family's latent attention is its own code.
+    ("minicpm3", {}, "multi-head latent attention .* outside deepseek_v2 and deepseek_v3"),
     ("gpt_oss", dict(num_local_experts=2, num_experts_per_tok=1), "attention sinks"),
     ("bloom", dict(n_head=4, n_layer=2), "outside transformers' AttentionInterface"),
     ("llama4_text", {}, "chunked local attention"),
@@ -102,6 +103,7 @@ def test_unsupported_attention_is_refused(family, overrides, feature):
 
 @pytest.mark.parametrize("family,overrides", [
     ("llama", {}), ("gemma2", dict(head_dim=8)), ("gemma3_text", dict(head_dim=8)),
+    ("deepseek_v3", dict(n_routed_experts=4, kv_lora_rank=16, q_lora_rank=16)),
     ("qwen3_moe", dict(num_experts=2, num_experts_per_tok=1)), ("gpt2", dict(n_head=4)),
 ])
 def test_supported_attention_passes(family, overrides):
@@ -122,11 +124,11 @@ def test_gguf_conversion_is_announced(tmp_path, monkeypatch, caplog):
 
 
 def test_refused_before_weights_are_read(tmp_path):
-    """A DeepSeek-V3 directory with its config only: refused by name, not 'weights missing'."""
+    """A MiniCPM3 directory with its config only: refused by name, not 'weights missing'."""
     from transformers import AutoConfig
 
-    AutoConfig.for_model("deepseek_v3", architectures=["DeepseekV3ForCausalLM"]).save_pretrained(
+    AutoConfig.for_model("minicpm3", architectures=["MiniCPM3ForCausalLM"]).save_pretrained(
         tmp_path)
     with pytest.raises(ModelLoadError,
-                       match=r"'deepseek_v3' \(DeepseekV3ForCausalLM\) uses multi-head latent"):
+                       match=r"'minicpm3' \(MiniCPM3ForCausalLM\) uses multi-head latent"):
         load_model(tmp_path, device="cpu")

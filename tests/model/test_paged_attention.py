@@ -17,10 +17,10 @@ from minicore.model.attention import (
     AttentionMetadata,
     GatheredDecode,
     attn_implementation,
-    kv_cache_shape,
     use_paged_attention,
 )
 from minicore.model.decode_kv import DecodeKVBuffers
+from minicore.model.kv_cache_interface import kv_cache_shape
 
 pytestmark = pytest.mark.model
 
