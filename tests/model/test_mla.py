@@ -103,3 +103,36 @@ def test_bfloat16_tokens_are_transformers_argmax_within_rounding(models):
             steps += (2 * 2.0 ** (torch.floor(torch.log2(top.abs())) - 7)).tolist()
     assert all(gap <= step for gap, step in zip(gaps, steps)), max(gaps)
     assert sum(gap == 0 for gap in gaps) >= 0.9 * len(gaps)
+
+
+def _word_tokenizer():
+    """A 256-word tokenizer built here (a CUDA machine may lack the default model's package)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(256)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0")),
+                                   pad_token="t0", bos_token="t1", eos_token="t2")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
+def test_on_cuda_greedy_parity_with_the_gathered_absorbed_decode(tmp_path, family):
+    """On CUDA: the paged gather for decode, the absorbed products by batched matmuls; float32
+    tokens equal transformers' on the same device, chunked and with a prefix-cache hit."""
+    from transformers import AutoModelForCausalLM
+
+    path = _build(family, tmp_path, _word_tokenizer())
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 attn_implementation="eager").to("cuda")
+    reference = [model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=MAX_NEW,
+                                do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
+                 for ids in PROMPTS]
+    llm = LLM(str(path), **{**ENGINE, "device": "cuda", "gpu_memory_utilization": 0.05})
+    runner = llm.llm_engine.model_runner
+    assert isinstance(runner.decode_attention, GatheredDecode) and not runner.batch_invariant
+    assert runner.kv_caches[0].shape[0] == 1  # one latent row a token
+    assert _generate(llm) == reference
+    assert llm.llm_engine.scheduler.kv_cache_manager.prefix_cache_stats.hits > 0
