@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from test_family_parity import MAX_NEW, PROMPTS, _build, _reference
+from test_native import native_kernel
 
 from minicore.llm import LLM
 from minicore.model.attention import GatheredDecode
@@ -57,15 +58,20 @@ def test_the_cache_holds_one_latent_row_per_token(models):
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
-@pytest.mark.parametrize("decode", ["pools", "gather"])
+@pytest.mark.parametrize("decode", ["kernel", "torch", "gather"])
 def test_greedy_parity_with_prefill_expanded_and_decode_absorbed(models, family, decode):
     """batch_invariant=False: prefill chunks attend per sequence over expanded keys and values
     (a later chunk and a prefix-cache hit read the latents back from the cache), decodes are
-    absorbed, read by the CPU pools or by the paged gather (as on CUDA)."""
+    absorbed, read from the CPU pools by the native kernel or by torch, or by the paged gather
+    (as on CUDA)."""
     paths, references = models
+    if decode == "kernel":
+        native_kernel()
     llm = LLM(str(paths[family]), num_blocks=32, batch_invariant=False, **ENGINE)
     runner = llm.llm_engine.model_runner
     assert isinstance(runner.decode_attention, DecodeKVBuffers)
+    if decode == "torch":
+        runner.decode_attention = DecodeKVBuffers(runner.kv_caches)
     if decode == "gather":
         runner.decode_attention = GatheredDecode()
     assert _generate(llm) == references[family]
