@@ -70,7 +70,9 @@ def resolve_model(config: EngineConfig) -> EngineConfig:
         from minicore.model.loader import check_config_attention
 
         hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        check_config_attention(hf_config)  # a DeepSeek's MoE would pass, its attention not yet
+        # An attention minicore cannot run would pass the MoE check: refused here too, before
+        # any engine starts.
+        check_config_attention(hf_config)
         check_expert_parallel(hf_config, pc.data_parallel_size)
     config = resolve_max_model_len(config, read_json_file(model_dir, "config.json"),
                                    read_json_file(config.model_config.tokenizer or model_dir,

@@ -49,8 +49,7 @@ from minicore.model.loader import resolve_device
 
 logger = logging.getLogger(__name__)
 
-# DeepSeek-V2/V3's MoE too (shared experts and the grouped router stay whole on every rank); their
-# attention, multi-head latent attention, is not minicore's yet: the loader refuses them.
+# DeepSeek-V2/V3's MoE too: the shared experts and the grouped router stay whole on every rank.
 SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "mixtral", "olmoe", "qwen2_moe",
                          "qwen3_moe")
 # Where transformers' configs keep the number of routed experts.

@@ -4,9 +4,10 @@ ones included, still meet in every MoE layer in the same order on both ranks.
 
 First through the DP client, with the balance gate: rank 0 fills up, rank 1 holds a gated request
 and runs dummy forwards, then runs it beside rank 0's (the plan of test_expert_parallel_serving.py).
-Then served: `serve --data-parallel-size 2 --enable-expert-parallel --async-scheduling`, requests
-spread over both ranks, structured ones among them, greedy tokens equal to one in-process engine's
-without async scheduling.
+Then served: `serve --data-parallel-size 2 --enable-expert-parallel --async-scheduling` on the tiny
+DeepSeek-V3 (multi-head latent attention; shared experts, grouped router, a dense first layer),
+requests spread over both ranks, structured ones among them, greedy tokens equal to one in-process
+engine's without async scheduling.
 """
 
 import asyncio
@@ -68,7 +69,7 @@ GRAMMARS = [{"regex": r"[0-9]{3}-[a-z]{4}"}, {"choice": ["alpha", "beta", "gamma
 
 
 async def test_served_dp2_with_async_scheduling_gives_the_text_of_one_engine(moe_model_dir):
-    model_dir = moe_model_dir("qwen3_moe")
+    model_dir = moe_model_dir("deepseek_v3")
     rng = random.Random(260)
     plan = [(rng.randrange(4, 40), rng.randrange(4, 40)) for _ in range(6)]
     prompts = [[rng.randrange(3, 1000) for _ in range(length)] for length, _ in plan]

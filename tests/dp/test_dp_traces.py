@@ -1,8 +1,8 @@
 """Random request traces through AsyncLLM against real DP engine processes (SIMULATED
 runner, real gloo), DP size 2 and 3, balance scheduling off and on; and DP size 2 with balance
-scheduling serving a tiny mixture-of-experts model with expert parallelism
-(tests/model/moe_models.py), whose every forward, dummy ones included, meets the other rank in each
-MoE layer (two traces: each seed's and the next one's).
+scheduling serving the tiny DeepSeek-V3 (tests/model/moe_models.py: latent attention, shared
+experts, grouped router, a dense first layer) with expert parallelism, whose every forward, dummy
+ones included, meets the other rank in each MoE layer (two traces: each seed's and the next one's).
 
 Every rank must issue the same collectives in the same order whatever reaches it: a mismatch is a
 hang, not an error. So the traces mix what makes ranks diverge: bursts with random prompt lengths
@@ -58,7 +58,7 @@ ABORT_KINDS = ("abort", "close", "early")
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session",
                         params=[(2, False, None), (2, True, None), (3, False, None),
-                                (3, True, None), (2, True, "qwen3_moe")],
+                                (3, True, None), (2, True, "deepseek_v3")],
                         ids=["dp2", "dp2-balance", "dp3", "dp3-balance", "dp2-balance-ep"])
 async def client(request):
     size, balance, moe_family = request.param
@@ -327,6 +327,10 @@ async def test_request_for_a_stale_wave_completes(client):
     """The frontend still believes the wave runs (it has not yet read wave_complete) and sends a
     request with the old wave number and no START_DP_WAVE: the rank it reaches must ask for the
     others (start_wave), or it would run its collectives alone."""
+    # A wave of its own first: pytest-xdist may run this client's traces on the other test
+    # process, leaving this one a client that has completed none.
+    async for _ in client.generate([11, 12], sampling(2), "first-wave", data_parallel_rank=0):
+        pass
     await wait_idle(client)
     coordinator = client.engine_core.coordinator
     wave = coordinator.current_wave

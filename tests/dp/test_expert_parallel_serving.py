@@ -1,6 +1,7 @@
-"""Expert parallelism served (issue 13): for each supported family, a tiny random MoE model
-(tests/model/moe_models.py, with the default model's tokenizer) served by two engine processes with
---enable-expert-parallel gives exactly the greedy tokens of one in-process engine without it.
+"""Expert parallelism served (issue 13): for each supported family (DeepSeek-V3's, with its latent
+attention, for DeepSeek's), a tiny random MoE model (tests/model/moe_models.py, with the default
+model's tokenizer) served by two engine processes with --enable-expert-parallel gives exactly the
+greedy tokens of one in-process engine without it.
 
 The requests are spread so that the ranks' token counts differ in every step, and so that rank 1
 runs dummy forwards (which must still meet rank 0's forwards in every MoE layer) both ways: with no
@@ -39,8 +40,11 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 ENGINE_ARGS = dict(max_model_len=256, kv_cache_memory=16 << 20)
 DTYPES = {"float32": {"dtype": "float32"},
           "bfloat16 batch-invariant": {"dtype": "bfloat16", "batch_invariant": True}}
-VARIANTS = [(family, "float32") for family in FAMILIES] + [("mixtral",
-                                                           "bfloat16 batch-invariant")]
+# DeepSeek-V3's MoE (shared experts, grouped router, a dense first layer) under its multi-head
+# latent attention. V2-Lite's shape (no q_lora, V2's router) adds nothing across ranks: its sharded
+# MoE is checked in tests/model/test_expert_parallel.py, its attention in tests/model/test_mla.py.
+VARIANTS = [(family, "float32") for family in [*FAMILIES, "deepseek_v3"]] + [
+    ("mixtral", "bfloat16 batch-invariant")]
 MAX_NUM_SEQS = 3
 # (rank, prompt length, max_tokens). Rank 0's requests are sent first; GATED goes to rank 1 once
 # rank 0 runs all three, and waits some 30 steps, until rank 0's 32-token request ends.

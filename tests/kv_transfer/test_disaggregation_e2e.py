@@ -16,6 +16,9 @@ instances may: its greedy text must still be the one instance's, and it must hav
 (the prompts repeat themselves); the prefill instance, which samples one token, drafts nothing.
 The same with async scheduling on both instances (the decode instance's drafts then proposed by
 its runner), in a deployment of its own.
+The tiny random DeepSeek-V3 (tests/model/moe_models.py), whose multi-head latent attention keeps
+a one-entry cache (a latent row a token, one NIXL region a layer), in a deployment of its own:
+the decode instance reads every prompt token but the last, its text is one instance's.
 The three processes are shared by the module; only the kill tests restart the prefill instance.
 Every wait is bounded.
 """
@@ -26,10 +29,14 @@ import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 from server_helpers import ServerProcess, engine_state, free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+from moe_models import build_served_moe
 
 from minicore.entrypoints.proxy import prefill_body
 from minicore.llm import LLM
@@ -313,6 +320,30 @@ def test_prefill_killed_after_answering_then_restarted(deployment, prompts, refe
     assert complete(d.proxy.url, prompts["long"])["choices"][0]["text"] == reference["long"]
     assert len(_read_failures(d)) == failures + 1, d.decode.log()
     assert_kv_freed(d)
+
+
+def test_deepseek_latent_cache_travels_through_the_proxy(tmp_path, prompts):
+    """The latent blocks travel: the decode instance, which has none of these prompts' blocks,
+    reads every prompt token but the last (its cached tokens), no read fails (a failed one would
+    recompute), and its greedy text is one instance's (a half-read block changes it); the read's
+    notification frees the prefill side's blocks."""
+    model_dir = str(build_served_moe("deepseek_v3", tmp_path / "deepseek_v3"))
+    names = ["aligned", "long"]
+    llm = LLM(model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory=64 << 20)
+    reference = [o.outputs[0].text for o in llm.generate(
+        [prompts[n] for n in names], SamplingParams(max_tokens=MAX_TOKENS, temperature=0),
+        use_tqdm=False)]
+    d = Deployment("--model", model_dir, "--enable-prompt-tokens-details")
+    try:
+        for name, text in zip(names, reference):
+            body = complete(d.proxy.url, prompts[name])
+            assert body["choices"][0]["text"] == text
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == len(
+                prompts[name]) - 1
+            assert_kv_freed(d)
+        assert _read_failures(d) == []
+    finally:
+        d.close()
 
 
 def test_every_process_exits_0_on_sigterm(deployment):

@@ -29,8 +29,7 @@ FAMILIES = {
 
 
 # DeepSeek's MoE (shared experts, grouped top-k routing with the correction bias, dense first
-# layers), V3 with q_lora and V2-Lite's shape without. Expert parallelism shards them (tested on
-# transformers' own forward); minicore cannot serve them yet (multi-head latent attention).
+# layers) and multi-head latent attention, V3 with q_lora and V2-Lite's shape without.
 MLA_FAMILIES = {
     "deepseek_v3": dict(n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=16,
                         intermediate_size=48, num_hidden_layers=3, first_k_dense_replace=1,
