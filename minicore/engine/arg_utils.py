@@ -38,8 +38,9 @@ SPECULATIVE_HELP = (
     '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, '
     '"prompt_lookup_min": 2}\' (ngram: the tokens that followed the longest earlier match of a '
     "request's last prompt_lookup_min..max tokens, default 5..5; disable_by_batch_size: no drafts "
-    "while that many requests run; also field by field, --speculative-config.method ngram, or "
-    "--spec-method ngram --spec-tokens 3). Methods: ")
+    "while that many requests run; mtp, or deepseek_mtp: drafts from the checkpoint's "
+    "multi-token-prediction layers, DeepSeek-V2/V3's; also field by field, "
+    "--speculative-config.method ngram, or --spec-method ngram --spec-tokens 3). Methods: ")
 
 
 def add_engine_cli_args(parser: argparse.ArgumentParser,

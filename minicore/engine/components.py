@@ -87,7 +87,7 @@ def build_components(config: EngineConfig, model=None, tokenizer=None,
         so_manager.grammar_init(request)
 
     # With async scheduling the runner proposes the drafts itself, right after it samples.
-    drafter = NoDrafter() if async_scheduling else make_drafter(config)
+    drafter = NoDrafter() if async_scheduling else make_drafter(config, model_runner)
     return EngineComponents(info, model_runner, kv_connectors, so_manager, scheduler, drafter,
                             BatchQueue(2 if async_scheduling else 1), check_request,
                             make_client_router(config.parallel_config.client_count),
@@ -134,7 +134,9 @@ def scheduler_components(scheduler_config: SchedulerConfig,
     async_scheduling = scheduler_config.async_scheduling
     if speculative_config is not None:
         spec_decode = RunnerDrafts if async_scheduling else SpecDecode
-        components["spec_decode"] = spec_decode(speculative_config.num_speculative_tokens)
+        components["spec_decode"] = spec_decode(speculative_config.num_speculative_tokens,
+                                                speculative_config.num_lookahead_tokens,
+                                                speculative_config.use_eagle())
     if async_scheduling:
         drafts = ((speculative_config.num_speculative_tokens,
                    speculative_config.disable_by_batch_size) if speculative_config else ())

@@ -29,7 +29,7 @@ import torch
 from minicore.config import EngineConfig
 from minicore.dp.weight_transfer import join_as_engine
 from minicore.model import sleep_mode
-from minicore.model.async_spec_decode import AsyncSpecDecodeSampler
+from minicore.model.async_spec_decode import AsyncSpecDecodeSampler, RequestDrafts
 from minicore.model.attention import (
     AttentionMetadata,
     GatheredDecode,
@@ -40,13 +40,14 @@ from minicore.model.cpu_layers import use_cpu_layers
 from minicore.model.cpu_linear import use_cpu_linear
 from minicore.model.cpu_memory import keep_freed_memory
 from minicore.model.decode_kv import DecodeKVBuffers
+from minicore.model.eagle import EagleProposer
 from minicore.model.kv_cache_interface import kv_cache_spec
 from minicore.model.llama_forward import llama_forward
 from minicore.model.logprobs import LogprobsOutput
 from minicore.model.mla import use_latent_attention
 from minicore.model.native import native_kernels, resolve_batch_invariant
 from minicore.model.rejection_sampler import SpecDecodeSampler
-from minicore.model.runner_base import CachedRequestState, ModelRunnerBase
+from minicore.model.runner_base import NO_RUNNER_DRAFTER, CachedRequestState, ModelRunnerBase
 from minicore.model.sampler import (
     SamplingMetadata,
     apply_grammar_bitmask,
@@ -78,12 +79,9 @@ class ModelRunner(ModelRunnerBase):
                                                        native_kernels())
         self.build_metadata = partial(AttentionMetadata.build,
                                       token_queries=self.batch_invariant)
-        # DeepSeek's attention modules over their latent cache (mla.py; none for other models).
-        use_latent_attention(model, native_kernels() if self.batch_invariant else None)
         if self.device.type == "cpu":
             keep_freed_memory()
-            use_cpu_linear(model, native_kernels(), self.batch_invariant)
-            use_cpu_layers(model, native_kernels())
+        self.bind_layers(model)
         # The base model gives hidden states; the head runs only on sampling positions. On CPU
         # a Llama model's layers run as plain calls (llama_forward.py), else through transformers.
         self.base_model = model.base_model
@@ -91,12 +89,14 @@ class ModelRunner(ModelRunnerBase):
                  else None)
         self.forward_hidden = plain or self._transformers_forward
         self.lm_head = model.get_output_embeddings()
+        self.logprobs = LogprobsOutput(self.vocab_size, self._logits)
+        self.sample_step, self.take_sampling_inputs, self.drafter = self._make_sample_step(config)
+        # A KV cache per layer, the drafter's own layers' too (the MTP layers: eagle.py).
+        self.num_kv_layers = model.config.num_hidden_layers + self.drafter.num_layers
         self.num_blocks = self._determine_num_blocks()
         # A future of the trainer's weight transfer group (minicore/dp/weight_transfer.py).
         self.weight_transfer = None
         self.init_kv_cache()
-        self.logprobs = LogprobsOutput(self.vocab_size, self._logits)
-        self.sample_step, self.take_sampling_inputs = self._make_sample_step(config)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens)", self.num_blocks,
                     self.block_size, (self.num_blocks - 1) * self.block_size)
 
@@ -108,6 +108,15 @@ class ModelRunner(ModelRunnerBase):
             DecodeKVBuffers(self.kv_caches, kernel=native_kernels(),
                             token_queries=self.batch_invariant)
             if self.device.type == "cpu" else GatheredDecode())
+
+    def bind_layers(self, module: torch.nn.Module) -> None:
+        """The model's layers, or a drafter's (eagle.py), bound to minicore's kernels:
+        DeepSeek's attention over its latent cache (mla.py; none for other models), and on CPU
+        the linear layers, norms and rotary embeddings."""
+        use_latent_attention(module, native_kernels() if self.batch_invariant else None)
+        if self.device.type == "cpu":
+            use_cpu_linear(module, native_kernels(), self.batch_invariant)
+            use_cpu_layers(module, native_kernels())
 
     def bind_weights(self) -> None:
         """After the weights' tensors changed: the CPU linear layers take them anew."""
@@ -151,8 +160,7 @@ class ModelRunner(ModelRunnerBase):
     def _bytes_per_block(self) -> int:
         dtype_size = torch.tensor([], dtype=self.model.dtype).element_size()
         spec = kv_cache_spec(self.model.config)
-        return self.model.config.num_hidden_layers * self.block_size * spec.bytes_per_token(
-            dtype_size)
+        return self.num_kv_layers * self.block_size * spec.bytes_per_token(dtype_size)
 
     def _determine_num_blocks(self) -> int:
         cache = self.config.cache_config
@@ -181,7 +189,7 @@ class ModelRunner(ModelRunnerBase):
     def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
         shape = kv_cache_spec(self.model.config).shape(num_blocks, self.block_size)
         return [torch.zeros(shape, dtype=self.model.dtype, device=self.device)
-                for _ in range(self.model.config.num_hidden_layers)]
+                for _ in range(self.num_kv_layers)]
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -189,17 +197,25 @@ class ModelRunner(ModelRunnerBase):
         return None if seed is None else torch.Generator(self.device).manual_seed(seed)
 
     def _make_sample_step(self, config: EngineConfig):
-        """Chosen once: the sampling step, and what it takes from each SchedulerOutput before the
-        forward. One token per sampling row, masked by its grammar row (sampler.py); or, with
-        speculative decoding, each row's drafts verified and its accepted ones plus one token
-        (rejection_sampler.py), with async scheduling the drafts proposed here
-        (async_spec_decode.py)."""
-        if config.speculative_config is None:
-            return self._sample, partial(take_grammar_rows, requests=self.requests)
+        """Chosen once: the sampling step, what it takes from each SchedulerOutput before the
+        forward, and the drafter that proposes after it (vLLM's GPUModelRunner.drafter). One
+        token per sampling row, masked by its grammar row (sampler.py); or, with speculative
+        decoding, each row's drafts verified and its accepted ones plus one token
+        (rejection_sampler.py). The runner proposes with the checkpoint's MTP layers (eagle.py),
+        and with async scheduling whatever the method (async_spec_decode.py); else the engine
+        does."""
+        if (spec := config.speculative_config) is None:
+            return (self._sample, partial(take_grammar_rows, requests=self.requests),
+                    NO_RUNNER_DRAFTER)
         args = self.vocab_size, self.device, self._logits, self.logprobs
-        sampler = (AsyncSpecDecodeSampler(*args, drafter=make_drafter(config))
-                   if config.scheduler_config.async_scheduling else SpecDecodeSampler(*args))
-        return sampler, partial(sampler.take_drafts, requests=self.requests)
+        proposer = EagleProposer(self) if spec.use_eagle() else None
+        if config.scheduler_config.async_scheduling:
+            sampler = drafter = AsyncSpecDecodeSampler(
+                *args, proposer=proposer or RequestDrafts(make_drafter(config)),
+                disable_by_batch_size=spec.disable_by_batch_size)
+        else:
+            sampler, drafter = SpecDecodeSampler(*args), proposer or NO_RUNNER_DRAFTER
+        return sampler, partial(sampler.take_drafts, requests=self.requests), drafter
 
     def _update_states(self, so: SchedulerOutput) -> None:
         super()._update_states(so)
@@ -235,9 +251,15 @@ class ModelRunner(ModelRunnerBase):
             hidden = self._forward(input_ids, meta)
             if sampling_rows:
                 self.sample_step(hidden, meta.query_start_loc_cpu, states, sampling_rows, output)
+            self.drafter.propose_draft_token_ids(hidden, meta, states, output)
             self.logprobs.add_prompt(hidden, meta.query_start_loc_cpu, states, computed, num_new,
                                      output)
         return output
+
+    def take_draft_token_ids(self) -> dict[str, list[int]]:
+        """The drafts the runner proposed in its last step, per request (vLLM's): with sync
+        scheduling, the MTP layers' (eagle.py), for the engine's MTPDrafter."""
+        return self.drafter.take_draft_token_ids()
 
     def _sample(self, hidden: torch.Tensor, query_start_loc: list[int],
                 states: list[CachedRequestState], rows: list[int],

@@ -74,6 +74,18 @@ class CachedRequestState:
         return eos + params.stop_token_ids
 
 
+class NoRunnerDrafter:
+    """A runner's drafter (vLLM's GPUModelRunner.drafter) where the runner proposes nothing after
+    it samples: no --speculative-config, or ngram with sync scheduling (the engine proposes)."""
+    num_layers = 0  # KV caches of its own
+
+    def propose_draft_token_ids(self, hidden, meta, states, output) -> None:
+        pass
+
+
+NO_RUNNER_DRAFTER = NoRunnerDrafter()
+
+
 class ModelRunnerBase:
     def __init__(self):
         self.requests: dict[str, CachedRequestState] = {}

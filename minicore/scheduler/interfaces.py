@@ -100,6 +100,8 @@ class DraftTokenIds:
 
 class NoSpecDecode:
     stats = None
+    # The KV cache manager's drafter slots and shorter prefix hits (spec_decode.py's).
+    num_lookahead_tokens, use_eagle = 0, False
 
     def take_scheduled_drafts(self, req_ids: list[str],
                               requests: dict[str, Request]) -> dict[str, list[int]]:

@@ -1,9 +1,9 @@
 """KVCacheManager: which blocks each request holds, prefix-cache lookups, slot allocation.
 
 Mirrors vllm/v1/core/kv_cache_manager.py together with the single full-attention case of
-vllm/v1/core/single_type_kv_cache_manager.py. Left out: hybrid models (several KV cache groups),
-sliding windows, lookahead slots for speculative decoding (vLLM's are for EAGLE-style proposers
-only) and KV events.
+vllm/v1/core/single_type_kv_cache_manager.py, with the two cases of a drafter that writes KV of
+its own (MTP): num_lookahead_tokens slots past the scheduled tokens, and use_eagle's prefix hit
+one block short. Left out: hybrid models (several KV cache groups), sliding windows, KV events.
 """
 
 from dataclasses import dataclass, field
@@ -36,9 +36,12 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 max_model_len: int = 0, num_lookahead_tokens: int = 0, use_eagle: bool = False):
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.max_model_len, self.num_lookahead_tokens = max_model_len, num_lookahead_tokens
+        self.use_eagle = use_eagle
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many of a request's leading blocks are already cached (hashed and registered).
@@ -59,7 +62,8 @@ class KVCacheManager:
         """The longest run of cached full blocks from the request's start, and its length in
         tokens. The last token is always recomputed: the model must run on at least one token to
         produce the logits the request samples from. None for a request that asked for prompt
-        logprobs: the model must compute every prompt position (vLLM: skip_reading_prefix_cache)."""
+        logprobs: the model must compute every prompt position (vLLM: skip_reading_prefix_cache).
+        use_eagle: a block less (its drafter KV read the token after it: drop_eagle_block)."""
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
@@ -69,6 +73,7 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        hits = hits[:-1] if self.use_eagle else hits
         return hits, len(hits) * self.block_size
 
     def record_prefix_cache_query(self, num_tokens: int, num_hits: int) -> None:
@@ -92,7 +97,10 @@ class KVCacheManager:
         if blocks is None:
             blocks = []
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_new_blocks = -(-num_tokens // self.block_size) - len(blocks) - len(new_computed_blocks)
+        # The drafter's slots too, to max_model_len, unless a KV load runs no forward yet.
+        slots = min(num_tokens + (not delay_cache_blocks) * self.num_lookahead_tokens,
+                    max(num_tokens, self.max_model_len))
+        num_new_blocks = -(-slots // self.block_size) - len(blocks) - len(new_computed_blocks)
         new_blocks = _NO_BLOCKS
         # Most decode steps need no new block and bring no prefix hit: nothing to allocate.
         if num_new_blocks > 0 or new_computed_blocks or full_sequence_must_fit:

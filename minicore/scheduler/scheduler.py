@@ -87,8 +87,9 @@ class Scheduler:
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
         self.policy = get_policy(scheduler_config.policy)()
-        self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
-                                               cache_config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+            self.max_model_len, spec_decode.num_lookahead_tokens, spec_decode.use_eagle)
         self.requests: dict[str, Request] = {}
         self.waiting = self.policy.create_request_queue()
         self.running: list[Request] = []

@@ -11,8 +11,9 @@ the composition root (minicore/engine/components.py): without --speculative-conf
 NoSpecDecode (minicore/scheduler/interfaces.py) does nothing at either point.
 With async scheduling the drafts are the runner's (RunnerDrafts): placeholders here
 (minicore/scheduler/async_scheduler.py), and the runner reports how many it proposed.
-Left out: lookahead slots, which vLLM allocates only for proposers that write KV past the drafts
-(EAGLE, MTP; num_lookahead_tokens is 0 for ngram).
+A proposer that writes KV of its own (MTP: use_eagle) has the KV cache manager allocate
+num_lookahead_tokens slots past each step's tokens, where its draft steps write, and its prefix hits
+end a block early (minicore/scheduler/kv_cache_manager.py); bound with the manager.
 """
 
 from minicore.protocol import SpecDecodingStats
@@ -22,8 +23,10 @@ from minicore.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 
 class SpecDecode(NoSpecDecode):
-    def __init__(self, num_spec_tokens: int):
+    def __init__(self, num_spec_tokens: int, num_lookahead_tokens: int = 0,
+                 use_eagle: bool = False):
         self.stats = SpecDecodingStats.new(num_spec_tokens)
+        self.num_lookahead_tokens, self.use_eagle = num_lookahead_tokens, use_eagle
         # The requests of the last step that sampled nothing: their chunk left them mid-prefill.
         self.prefill_chunks: set[str] = set()
 

@@ -2,9 +2,10 @@
 
 Mirrors vllm/config/speculative.py (SpeculativeConfig) for the methods of this package
 (drafter.py finds them by name; each fills in and checks its own fields, as vLLM's ngram
-defaults), with vLLM's checks; model "ngram" or "[ngram]" names the ngram method, as in vLLM. A
-draft model is refused by name. Pure Python: minicore.config
-imports it.
+defaults), with vLLM's checks; model "ngram" or "[ngram]" names the ngram method, as in vLLM, and
+"deepseek_mtp" is the "mtp" method (vLLM renames it so). num_lookahead_tokens is vLLM's
+VllmConfig property: the KV slots a step allocates past its tokens for a proposer that writes KV
+of its own (MTP). A draft model is refused by name. Pure Python: minicore.config imports it.
 """
 
 from dataclasses import dataclass
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 from minicore.spec_decode.drafter import drafters
 
 NGRAM_NAMES = ("ngram", "[ngram]")
+# vLLM's other spellings of a method, and the name it takes for them.
+RENAMED = {"[ngram]": "ngram", "deepseek_mtp": "mtp"}
 
 
 @dataclass(slots=True)
@@ -32,8 +35,8 @@ class SpeculativeConfig:
         # vLLM's spellings of ngram: as the model (its NGRAM_SPEC_CONFIG), or bracketed.
         if self.method is None and self.model in NGRAM_NAMES:
             self.method, self.model = "ngram", None
-        if self.method in NGRAM_NAMES:
-            self.method = "ngram"
+        if isinstance(self.method, str):
+            self.method = RENAMED.get(self.method, self.method)
         if self.model is not None:
             raise ValueError(f"speculative_config: a draft model ({self.model!r}) is not "
                              f"supported by minicore: methods {', '.join(map(repr, methods))}")
@@ -48,3 +51,14 @@ class SpeculativeConfig:
             raise ValueError("speculative_config: disable_by_batch_size must be an integer >= 2, "
                              f"got {self.disable_by_batch_size!r}")
         methods[self.method].verify_config(self)
+
+    def use_eagle(self) -> bool:
+        """Whether the method drafts with a model over the target's hidden states, which writes
+        KV of its own (vLLM's name: EAGLE and MTP)."""
+        return drafters()[self.method].use_eagle
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots to allocate past a step's scheduled tokens: the drafter's steps write there
+        (vLLM: num_speculative_tokens for EAGLE and MTP, 0 for ngram)."""
+        return self.num_speculative_tokens if self.use_eagle() else 0

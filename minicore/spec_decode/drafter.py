@@ -9,7 +9,10 @@ scheduling policies do (minicore/scheduler/policies/): a new method is one file 
 and its tests. A drafter gets the requests it may draft for and returns DraftTokenIds; EngineCore
 hands them to the scheduler (vLLM's post_step). With async scheduling the runner calls
 propose_for itself, right after it samples, with a DraftRequest of its own state
-(minicore/model/async_spec_decode.py). Left out: proposers that run a model.
+(minicore/model/async_spec_decode.py). A method that drafts with a model over the target's hidden
+states (use_eagle: MTP, mtp.py) is proposed by the runner, right after it samples, and its
+Drafter hands the scheduler what the runner proposed (vLLM's take_draft_token_ids). Left out:
+draft models and EAGLE heads.
 """
 
 import importlib
@@ -65,6 +68,9 @@ class Drafter(ABC):
     """A drafting method: `method` is its name in --speculative-config."""
     method: ClassVar[str]
     registry: ClassVar[dict[str, type["Drafter"]]] = {}
+    # Whether the runner drafts with a model of the checkpoint over the target's hidden states,
+    # which keeps a KV cache of its own (vLLM's SpeculativeConfig.use_eagle: EAGLE, MTP).
+    use_eagle: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -109,7 +115,10 @@ def drafters() -> dict[str, type[Drafter]]:
     return Drafter.registry
 
 
-def make_drafter(config: "EngineConfig") -> Drafter | NoDrafter:
+def make_drafter(config: "EngineConfig", model_runner=None) -> Drafter | NoDrafter:
+    """The engine's drafter; a use_eagle method's takes the model runner that proposes."""
     if (spec := config.speculative_config) is None:
         return NoDrafter()
-    return drafters()[spec.method](spec, config.scheduler_config.max_model_len)
+    cls = drafters()[spec.method]
+    runner = (model_runner,) if cls.use_eagle else ()
+    return cls(spec, config.scheduler_config.max_model_len, *runner)

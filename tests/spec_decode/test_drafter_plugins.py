@@ -16,6 +16,7 @@ from minicore.config import EngineConfig
 from minicore.scheduler.interfaces import DraftTokenIds
 from minicore.spec_decode.config import SpeculativeConfig
 from minicore.spec_decode.drafter import Drafter, NoDrafter, drafters, make_drafter
+from minicore.spec_decode.mtp import MTPDrafter
 from minicore.spec_decode.ngram_proposer import NgramProposer
 from minicore.testing import make_request, make_scheduler, step
 
@@ -38,13 +39,13 @@ REPEAT_LAST = textwrap.dedent('''
 
 
 def test_every_method_file_registers_itself():
-    assert drafters() == {"ngram": NgramProposer}
+    assert drafters() == {"mtp": MTPDrafter, "ngram": NgramProposer}
 
 
 def test_a_new_method_is_one_file(plugin_file):
     plugin_file(minicore.spec_decode, "repeat_last_for_test", REPEAT_LAST, Drafter.registry,
                 "repeat_last")
-    assert set(drafters()) == {"ngram", "repeat_last"}
+    assert set(drafters()) == {"mtp", "ngram", "repeat_last"}
     spec = SpeculativeConfig(method="repeat_last", num_speculative_tokens=2,
                              disable_by_batch_size=3)
     assert spec.prompt_lookup_max == 1  # its own defaults
@@ -62,12 +63,12 @@ def test_a_new_method_is_one_file(plugin_file):
     assert drafter.propose(s.requests, 3, out).req_ids == []  # disable_by_batch_size
     help_text = subprocess.run([sys.executable, "-m", "minicore", "serve", "--help"],
                                capture_output=True, text=True, timeout=60).stdout
-    assert "Methods: ngram, repeat_last" in " ".join(help_text.split())
+    assert "Methods: mtp, ngram, repeat_last" in " ".join(help_text.split())
 
 
 def test_an_unknown_method_is_refused_naming_the_methods():
     with pytest.raises(ValueError, match="method 'eagle' is not supported by minicore: "
-                                         "methods 'ngram'"):
+                                         "methods 'mtp', 'ngram'"):
         SpeculativeConfig(method="eagle", num_speculative_tokens=2)
 
 

@@ -58,7 +58,7 @@ def test_help_shows_the_flag_in_its_group(command, capsys):
 
 @pytest.mark.parametrize("text, message", [
     ('{"method": "eagle", "num_speculative_tokens": 3}',
-     "method 'eagle' is not supported by minicore: methods 'ngram'"),
+     "method 'eagle' is not supported by minicore: methods 'mtp', 'ngram'"),
     ('{"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3}',
      "a draft model ('tiny') is not supported"),
     ('{"num_speculative_tokens": 3}', "method None is not supported"),
