@@ -7,7 +7,10 @@ Rank 0 runs three requests whose forwards carry different numbers of tokens from
 forwards, which must still meet rank 0's in every MoE layer. The prompts repeat a short random
 phrase, so that the ngram drafter finds matches; the test checks that drafts were verified and
 some accepted on rank 0 (its SchedulerStats), so that it tests verification, not an idle drafter.
-The same with async scheduling, where each rank's runner proposes its drafts as it samples.
+The same with async scheduling, where each rank's runner proposes its drafts as it samples. And
+MTP drafts on the tiny DeepSeek-V3 with an MTP layer (tests/model/mtp_models.py): each rank runs
+its MTP layer, experts whole, on its own after its forward, and never in a dummy forward, while
+the model's MoE layers meet the other rank's.
 """
 
 import asyncio
@@ -15,6 +18,8 @@ import random
 
 import pytest
 from dp_helpers import assert_all_engines_idle, dp_client, free_port_pair, wait_idle
+from moe_models import build_served_moe
+from mtp_models import add_mtp_layers
 
 from minicore.config import create_engine_config
 from minicore.llm import LLM
@@ -39,7 +44,23 @@ def greedy(max_tokens: int) -> SamplingParams:
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 async def test_dp2_expert_parallel_with_ngram_drafts_gives_the_tokens_of_one_engine(
         moe_model_dir, async_scheduling):
-    model_dir = moe_model_dir("qwen3_moe")
+    stats = await _served_with_drafts(moe_model_dir("qwen3_moe"), SPECULATIVE_CONFIG,
+                                      async_scheduling)
+    assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
+
+
+async def test_dp2_expert_parallel_with_mtp_drafts_gives_the_tokens_of_one_engine(
+        tmp_path_factory):
+    model_dir = add_mtp_layers(build_served_moe("deepseek_v3", tmp_path_factory.mktemp("mtp")))
+    stats = await _served_with_drafts(str(model_dir),
+                                      {"method": "mtp", "num_speculative_tokens": 2}, False)
+    # Random MTP weights: the drafts are noise, verified all the same.
+    assert stats.num_drafts > 0 and stats.num_draft_tokens >= stats.num_drafts
+
+
+async def _served_with_drafts(model_dir: str, speculative_config: dict, async_scheduling: bool):
+    """Serves PLAN by DP=2 + EP with drafts, checks the tokens against one engine without; rank
+    0's spec decode stats."""
     reference_llm = LLM(model_dir, **ENGINE_ARGS)
     vocab_size = reference_llm.llm_engine.model_runner.vocab_size
     rng = random.Random(25)
@@ -53,7 +74,7 @@ async def test_dp2_expert_parallel_with_ngram_drafts_gives_the_tokens_of_one_eng
     config = create_engine_config(model=model_dir, data_parallel_size=2,
                                   data_parallel_rpc_port=free_port_pair(),
                                   enable_expert_parallel=True,
-                                  speculative_config=SPECULATIVE_CONFIG,
+                                  speculative_config=speculative_config,
                                   async_scheduling=async_scheduling, **ENGINE_ARGS)
     async with dp_client(config) as client:
         async def run(i: int) -> list[int]:
@@ -66,4 +87,4 @@ async def test_dp2_expert_parallel_with_ngram_drafts_gives_the_tokens_of_one_eng
         await assert_all_engines_idle(client)
         stats = client.latest_stats[0].spec_decoding_stats
     assert got == reference
-    assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
+    return stats
