@@ -90,11 +90,12 @@ def reference_drafts(model, layer: nn.Module, tokens: list[int],
     position p the MTP layer on the embedding of token p + 1 (zero at position 0, as vLLM) and
     the hidden state at p; draft 0 is the argmax at the last position, each next one the argmax
     one position further, on the draft before and the MTP layer's own output there."""
-    hidden = model.model(torch.tensor([tokens[:-1]])).last_hidden_state[0]
+    device = model.device
+    hidden = model.model(torch.tensor([tokens[:-1]], device=device)).last_hidden_state[0]
     inputs, drafts, logits = list(tokens[1:]), [], []
     for _ in range(k):
-        positions = torch.arange(len(inputs))
-        embeds = model.get_input_embeddings()(torch.tensor(inputs))
+        positions = torch.arange(len(inputs), device=device)
+        embeds = model.get_input_embeddings()(torch.tensor(inputs, device=device))
         embeds[0] = 0
         x = layer.eh_proj(torch.cat([layer.enorm(embeds), layer.hnorm(hidden)], dim=-1))[None]
         position_embeddings = model.model.rotary_emb(x, positions[None])

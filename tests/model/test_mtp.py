@@ -6,7 +6,8 @@ its checkpoint (mtp_models.py). Random weights draft noise, so: greedy tokens wi
 the lookahead slots; every draft the runner proposes equals the one computed by hand over the
 whole sequence without a cache (mtp_models.reference_drafts), also after steps whose drafts an
 oracle made the target accept, all or some (the MTP KV of accepted positions is read then, that
-of rejected ones rewritten first); a model without MTP layers is refused with the reason."""
+of rejected ones rewritten first), and through preemptions; on CUDA the same (gpu-marked); a
+model without MTP layers is refused with the reason."""
 
 import json
 
@@ -39,14 +40,16 @@ def model(tmp_path_factory, tokenizer):
 
 def _llm(path, k: int, **kwargs) -> LLM:
     return LLM(str(path), speculative_config={"method": "deepseek_mtp",
-                                              "num_speculative_tokens": k}, **ENGINE, **kwargs)
+                                              "num_speculative_tokens": k},
+               **{**ENGINE, **kwargs})
 
 
-def _generate(llm: LLM) -> list[list[int]]:
-    """The first prompt alone, then the two that share its 32-token prefix (a prefix hit)."""
-    outs = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
-    outs += llm.generate(PROMPTS[1:], GREEDY, use_tqdm=False)
-    return [list(out.outputs[0].token_ids) for out in outs]
+def _generate(llm: LLM, together: bool = False) -> list[list[int]]:
+    """The first prompt alone, then the two that share its 32-token prefix (a prefix hit); or
+    all three together."""
+    batches = [PROMPTS] if together else [PROMPTS[:1], PROMPTS[1:]]
+    return [list(out.outputs[0].token_ids) for batch in batches
+            for out in llm.generate(batch, GREEDY, use_tqdm=False)]
 
 
 @pytest.mark.parametrize("k, async_scheduling", [(1, False), (3, False), (2, True)])
@@ -64,17 +67,32 @@ def test_greedy_with_mtp_drafts_equals_without(model, k, async_scheduling):
     assert engine.scheduler.kv_cache_manager.prefix_cache_stats.hits > 0
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_every_draft_is_the_full_sequence_reference(model, async_scheduling):
+# Too few blocks for the three requests at once (seven, with the null block; a request of
+# max_model_len takes four): requests are preempted and recomputed, their MTP KV too.
+PREEMPTED = dict(num_blocks=7, max_model_len=64)
+
+
+@pytest.mark.parametrize("engine", [{}, {"async_scheduling": True}, PREEMPTED],
+                         ids=["sync", "async", "preempted"])
+def test_every_draft_is_the_full_sequence_reference(model, engine):
     """Every step the runner's drafts, and draft 0's logits, are recorded, then the drafts are
     replaced by an oracle's (the reference continuation, with its second draft wrong every other
     step; every third step they stand): the target accepts 2, 1 or about none, and what was
     recorded still equals reference_drafts over the tokens at that step (the logits within
     float32 rounding: a wrong KV row anywhere would move them)."""
-    from transformers import AutoModelForCausalLM
-
     path, reference = model
-    llm = _llm(path, 2, async_scheduling=async_scheduling)
+    llm = _llm(path, 2, **engine)
+    recorded = _record_drafts(llm, reference)
+    assert _generate(llm, together=engine is PREEMPTED) == reference
+    stats = llm.llm_engine.scheduler.spec_decode.stats
+    assert stats.num_accepted_tokens_per_pos[1] > 0  # whole runs accepted
+    assert (llm.llm_engine.scheduler.num_preemptions > 0) == (engine is PREEMPTED)
+    _check_drafts(path, recorded, "cpu")
+
+
+def _record_drafts(llm: LLM, reference: list[list[int]]) -> list:
+    """(tokens, drafts, draft 0's logits) of every request at every step, the drafts then
+    replaced by the oracle's."""
     drafter = llm.llm_engine.model_runner.drafter
     proposer = getattr(drafter, "proposer", drafter)
     propose, compute_logits = proposer.propose, proposer.model.compute_logits
@@ -100,17 +118,41 @@ def test_every_draft_is_the_full_sequence_reference(model, async_scheduling):
         return drafts
 
     proposer.propose, proposer.model.compute_logits = oracle, recording_logits
-    assert _generate(llm) == reference
-    stats = llm.llm_engine.scheduler.spec_decode.stats
-    assert stats.num_accepted_tokens_per_pos[1] > 0  # whole runs accepted
+    return recorded
+
+
+def _check_drafts(path, recorded: list, device: str) -> None:
+    from transformers import AutoModelForCausalLM
+
     target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                  attn_implementation="sdpa")
-    layer = mtp_layers(target.config)[0]
+                                                  attn_implementation="sdpa").to(device)
+    layer = mtp_layers(target.config)[0].to(device)
     assert len(recorded) > 10
     for tokens, proposed, row_logits in recorded:
         drafts, draft_logits = reference_drafts(target, layer, tokens, 2)
         assert proposed == drafts, tokens
         torch.testing.assert_close(row_logits, draft_logits, rtol=0, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_greedy_with_mtp_drafts_equals_without(tmp_path):
+    """On CUDA (the paged gather, the absorbed products by batched matmuls): float32 tokens with
+    MTP drafts equal transformers' on the same device, and every draft the reference's."""
+    from test_mla import _word_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    path = add_mtp_layers(_build("deepseek_v3", tmp_path, _word_tokenizer()))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 attn_implementation="eager").to("cuda")
+    reference = [model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=MAX_NEW,
+                                do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
+                 for ids in PROMPTS]
+    llm = _llm(path, 2, device="cuda")
+    recorded = _record_drafts(llm, reference)
+    assert _generate(llm) == reference
+    assert llm.llm_engine.model_runner.kv_caches[-1].is_cuda
+    _check_drafts(path, recorded, "cuda")
 
 
 def test_a_model_without_mtp_layers_is_refused(tmp_path, tokenizer):
