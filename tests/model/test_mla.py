@@ -136,7 +136,7 @@ def test_on_cuda_greedy_parity_with_the_gathered_absorbed_decode(tmp_path, famil
     reference = [model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=MAX_NEW,
                                 do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
                  for ids in PROMPTS]
-    llm = LLM(str(path), **{**ENGINE, "device": "cuda", "gpu_memory_utilization": 0.05})
+    llm = LLM(str(path), num_blocks=32, **{**ENGINE, "device": "cuda"})
     runner = llm.llm_engine.model_runner
     assert isinstance(runner.decode_attention, GatheredDecode) and not runner.batch_invariant
     assert runner.kv_caches[0].shape[0] == 1  # one latent row a token
