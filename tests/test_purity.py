@@ -11,12 +11,13 @@ from pathlib import Path
 # start in a moment.
 MODULES = ["minicore.scheduler", "minicore.request", "minicore.sampling_params",
            "minicore.config", "minicore.outputs", "minicore.testing", "minicore.dp.simulator",
-           "minicore.dp.sim_report"]
+           "minicore.dp.sim_report", "minicore.dp.sim_trace"]
 FORBIDDEN = ["torch", "zmq", "transformers"]
 PACKAGE = Path(__file__).resolve().parents[1] / "minicore"
 SOURCES = sorted((PACKAGE / "scheduler").rglob("*.py")) + [
     PACKAGE / name for name in ("request.py", "sampling_params.py", "config.py", "outputs.py",
-                                "testing.py", "dp/simulator.py", "dp/sim_report.py")]
+                                "testing.py", "dp/simulator.py", "dp/sim_report.py",
+                                "dp/sim_trace.py", "tracing/step_trace.py")]
 
 
 def _probe(modules, forbidden, pre=""):

@@ -15,7 +15,8 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from minicore.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from minicore.config import SUB_CONFIGS, CacheConfig, SchedulerConfig
+from minicore.dp.sim_trace import NO_TRACE, SimTrace
 from minicore.dp.simulator import (
     CostModel,
     DPSimulator,
@@ -26,6 +27,7 @@ from minicore.dp.simulator import (
 )
 from minicore.engine.arg_utils import add_engine_cli_args
 from minicore.protocol import SpecDecodingStats
+from minicore.tracing.step_trace import DEFAULT_LIMIT
 
 THRESHOLDS = ("full", "one-short")
 # The engine settings a simulated rank has; every other engine flag is left out.
@@ -48,8 +50,8 @@ def add_simulate_args(parser: argparse.ArgumentParser) -> None:
                           "on minicore's real schedulers and a cost model; prints the baseline "
                           "and each balance-gate threshold side by side.")
     parser.epilog = f"vllm-ascend PR #5212's experiment: python -m minicore simulate {EXPERIMENT}"
-    exclude = tuple(f.name for cls in (ModelConfig, SchedulerConfig, CacheConfig, ParallelConfig)
-                    for f in fields(cls) if f.name not in ENGINE_FLAGS)
+    exclude = tuple(f.name for _, cls, _ in SUB_CONFIGS for f in fields(cls)
+                    if f.name not in ENGINE_FLAGS)
     engine = add_engine_cli_args(
         parser, exclude + ("model", "kv_transfer_config", "speculative_config"))["scheduler"]
     engine.add_argument("--max-model-len", type=int, default=None,
@@ -86,6 +88,16 @@ def add_simulate_args(parser: argparse.ArgumentParser) -> None:
         cost.add_argument("--" + f.name.replace("_", "-"), type=float, default=f.default,
                           help=f"default: {f.default}")
     parser.add_argument("--result-file", default=None, help="write the results as JSON here")
+    trace = parser.add_argument_group("step trace")
+    trace.add_argument("--trace-steps", metavar="PATH", default=None,
+                       help="write each variant's steps, every rank's, as Trace Event Format "
+                            "(ui.perfetto.dev opens it; `python -m minicore trace-view` draws it), "
+                            "on the simulated clock, to PATH with the variant's name before its "
+                            "suffix: PATH trace.json gives trace.baseline.json, trace.full.json, "
+                            "trace.one-short.json (each replaced)")
+    trace.add_argument("--trace-steps-limit", type=int, default=DEFAULT_LIMIT, metavar="N",
+                       help="most records a rank writes to its trace (about 200 bytes each), "
+                            "then a `trace truncated` mark (default: %(default)s)")
 
 
 def parse_acceptance_rate(text: str) -> float | tuple[float, ...]:
@@ -168,9 +180,14 @@ def run_variant(args: argparse.Namespace, threshold: str | None) -> dict:
                                     args.random_output_len, args.random_range_ratio,
                                     seed=args.seed)
     config = build_sim_config(args, workload, threshold)
+    path = args.trace_steps and variant_trace_path(args.trace_steps, threshold or "baseline")
+    trace = SimTrace(path, args.data_parallel_size, args.trace_steps_limit) if path else NO_TRACE
     start = time.perf_counter()
-    simulator = DPSimulator(config, workload)
-    requests, steps = simulator.run()
+    simulator = DPSimulator(config, workload, trace)
+    try:
+        requests, steps = simulator.run()
+    finally:
+        trace.close()
     # As vllm bench serve saves it: "inf" is not a JSON number.
     rate = "inf" if math.isinf(args.request_rate) else args.request_rate
     result = {"simulated": True, "backend": "minicore-simulate",
@@ -180,8 +197,15 @@ def run_variant(args: argparse.Namespace, threshold: str | None) -> dict:
               "simulation": {**step_summary(steps, requests, args.data_parallel_size),
                              "preemptions": simulator.num_preemptions,
                              "spec_decoding": spec_summary(simulator.spec_decoding_stats()),
-                             "wall_s": time.perf_counter() - start}}
+                             "wall_s": time.perf_counter() - start,
+                             "step_trace": path and str(path)}}
     return result
+
+
+def variant_trace_path(path: str, variant: str) -> Path:
+    """--trace-steps trace.json for a variant: trace.<variant>.json."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.{variant}{path.suffix}")
 
 
 def spec_summary(stats: SpecDecodingStats | None) -> dict | None:
@@ -227,7 +251,9 @@ def simulate_main(args: argparse.Namespace) -> None:
         name = threshold or "baseline"
         results[name] = run_variant(args, threshold)
         print(f"simulated {name}: {results[name]['completed']} requests, "
-              f"{results[name]['simulation']['wall_s']:.1f} s of wall time", flush=True)
+              f"{results[name]['simulation']['wall_s']:.1f} s of wall time"
+              + (f", steps traced to {trace}" if (trace := results[name]["simulation"]
+                                                  ["step_trace"]) else ""), flush=True)
     print_table(results)
     if args.result_file:
         path = Path(args.result_file)

@@ -22,14 +22,17 @@ prefix rejection sampling keeps (draft i accepted at rate i once drafts 0..i-1 w
 send requests all at once, at a Poisson rate, and at most max_concurrency at a time, as `vllm
 bench serve` does; a request goes to the rank with the lowest 4 * waiting + running, as
 DPCoordinator routes (minicore/dp/coordinator.py), here from the exact counts. Everything it
-reports is simulated. Left out: scheduling and IO overheads, the collectives' own cost, stop
-strings, aborts, priorities, drafts that depend on the content (ngram finds none or a short one).
+reports is simulated; given a SimTrace (minicore/dp/sim_trace.py, `simulate --trace-steps`), it
+also writes each step as the engine's step-trace records, on the simulated clock. Left out:
+scheduling and IO overheads, the collectives' own cost, stop strings, aborts, priorities, drafts
+that depend on the content (ngram finds none or a short one).
 """
 
 import random
 from dataclasses import dataclass, field
 
 from minicore.config import CacheConfig, SchedulerConfig
+from minicore.dp.sim_trace import NO_TRACE, NoSimTrace
 from minicore.dp.wave import is_sync_step, runs_dummy_batch
 from minicore.engine.components import make_scheduler
 from minicore.protocol import SpecDecodingStats
@@ -148,8 +151,12 @@ class DPSimulator:
     """Runs one workload through N simulated ranks; run() returns the requests with their times
     and the step records."""
 
-    def __init__(self, config: SimConfig, workload: list[SimRequest]):
+    def __init__(self, config: SimConfig, workload: list[SimRequest],
+                 trace: NoSimTrace = NO_TRACE):
         self.config = config
+        # --trace-steps (minicore/dp/sim_trace.py), bound once: off, each step calls two hooks
+        # that do nothing.
+        self.trace = trace
         self.ranks = [_Rank(i, config) for i in range(config.data_parallel_size)]
         self.workload = workload
         self.by_id = {str(r.index): r for r in workload}
@@ -215,7 +222,9 @@ class DPSimulator:
         counts = list(getattr(first, "balance_counts", ()))
         # Every rank reads the same gathered counts, so the gate is shut on all or on none.
         gated = first._admission_gated()
+        start = self.now
         outputs = [rank.scheduler.schedule() for rank in self.ranks]
+        self.trace.scheduled(self, outputs, gated)
         for rank in self.ranks:
             rank.receive()
         costs = [self._step_cost(rank.scheduler, so) for rank, so in zip(self.ranks, outputs)]
@@ -229,19 +238,20 @@ class DPSimulator:
         self.steps.append(StepRecord(
             self.now, counts, gated, [so.total_num_scheduled_tokens for so in outputs],
             [len(so.scheduled_new_reqs) for so in outputs],
-            any(has_prefill for _, has_prefill in costs)))
+            any(num_prefill > 0 for _, num_prefill in costs)))
         self.step_counter += 1
         if is_sync_step(self.step_counter) and not self._any_unfinished():
             self.engines_running = False
             self.step_counter = 0
+        self.trace.stepped(self, start, outputs, costs)
 
-    def _step_cost(self, scheduler: Scheduler, so: SchedulerOutput) -> tuple[float, bool]:
-        """The rank's step time, and whether it computed prompt tokens. With nothing scheduled it
-        runs a dummy step, the time of one decode."""
+    def _step_cost(self, scheduler: Scheduler, so: SchedulerOutput) -> tuple[float, int]:
+        """The rank's step time, and how many prompt (or recomputed) tokens it computed. With
+        nothing scheduled it runs a dummy step, the time of one decode."""
         executed = so.total_num_scheduled_tokens > 0
         if runs_dummy_batch(executed, scheduler.has_unfinished_requests(),
                             self.engines_running):
-            return self.config.cost.step_seconds(1, 0, 0), False
+            return self.config.cost.step_seconds(1, 0, 0), 0
         num_decodes = num_prefill = num_context = 0
         for req_id, n in so.num_scheduled_tokens.items():
             request = scheduler.requests[req_id]
@@ -250,7 +260,7 @@ class DPSimulator:
             else:
                 num_prefill += n
             num_context += request.num_computed_tokens
-        return self.config.cost.step_seconds(num_decodes, num_prefill, num_context), num_prefill > 0
+        return self.config.cost.step_seconds(num_decodes, num_prefill, num_context), num_prefill
 
     def _update(self, scheduler: Scheduler, so: SchedulerOutput) -> None:
         """The made-up model output for so, the scheduler's update and the client's view, then
