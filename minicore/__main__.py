@@ -1,4 +1,4 @@
-"""python -m minicore {generate,serve,simulate,proxy}: the command line.
+"""python -m minicore {generate,serve,simulate,proxy,trace-view}: the command line.
 
 Mirrors vllm/entrypoints/cli/ in spirit: one subcommand per entry point, flags with vLLM's names.
 """
@@ -16,6 +16,7 @@ from minicore.engine.arg_utils import add_engine_cli_args, engine_kwargs_from_cl
 from minicore.entrypoints.reasoning import REASONING_PARSERS
 from minicore.entrypoints.tool_parsers import ToolParserManager
 from minicore.logger import configure_logging
+from minicore.tracing.view import add_trace_view_args, trace_view_main
 
 # generate's LLM runs one in-process engine, which refuses data parallelism, on the transformers
 # runner only (it takes the tokenizer and vocab from the loaded model); generate's own --seed seeds
@@ -254,6 +255,8 @@ def make_parser() -> argparse.ArgumentParser:
     _add_proxy_args(sub.add_parser(
         "proxy", help="one endpoint for disaggregated prefill: prefill instances, then decode "
                       "instances (vLLM's toy proxy)"))
+    add_trace_view_args(sub.add_parser(
+        "trace-view", help="draw a step trace (--trace-steps) as a PNG, one lane per DP rank"))
     return parser
 
 
@@ -261,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     args = make_parser().parse_args(argv)
     try:
         {"generate": _generate, "serve": _serve, "simulate": simulate_main,
-         "proxy": _proxy}[args.command](args)
+         "proxy": _proxy, "trace-view": trace_view_main}[args.command](args)
     except ValueError as e:
         sys.exit(f"error: {e}")
 

@@ -6,12 +6,13 @@ as one per engine rank process: pid N named ``DP rank N``, each bounded at ``lim
 are simulated microseconds from 0. Each lockstep step gives every rank its step (or dummy batch)
 lasting its own cost, then on its collectives track the wait for the slowest rank
 (``max_step_time``, the simulated runner's all-reduce in minicore/dp/engine.py); its
-``kv_usage`` and ``requests`` counters at the step's end; ``wave start`` and ``wave end`` instants;
-and each request an async track from the step it reached its rank to the step it finished in.
-drafts_proposed and drafts_accepted are the step's verified and accepted draft tokens (vLLM's
-SpecDecodingStats counters). Left out: the collectives' own cost, the every-32-steps all-reduce and
-the count gather (the simulator gives them no time); grammars and remote KV, which the simulator
-has not (their counts are 0).
+``kv_usage`` and ``requests`` counters at the step's end, where they changed; ``wave start`` and
+``wave end`` instants; and each request an async track from the step it reached its rank to the
+step it finished in. As the engine's tracer marks them, a step's gate is ``hold`` when the gate
+was shut while the rank had waiting requests (and no preemption, which skips the gate), and
+drafts_proposed and drafts_accepted are the draft tokens it verified and accepted. Left out: the
+collectives' own cost, the every-32-steps all-reduce and the count gather (the simulator gives
+them no time); grammars and remote KV, which the simulator has not (no request waits for them).
 """
 
 from __future__ import annotations
@@ -56,12 +57,13 @@ class SimTrace(NoSimTrace):
         self.num_sent = 0  # requests of the workload whose tracks have begun
         self.held = [False] * dp_size
         self.spec_counts = [(0, 0)] * dp_size  # per rank: draft tokens verified, accepted
+        self.counters: list[tuple | None] = [None] * dp_size  # per rank: the last ones written
 
     def scheduled(self, sim, outputs, gated: bool) -> None:
         """Right after the ranks scheduled, before the step's arrivals are taken in: which ranks
-        the gate held, shut while they had waiting requests and a free slot."""
-        self.held = [gated and len(s.waiting) > 0 and len(s.running) < s.max_num_running_reqs
-                     for s in (rank.scheduler for rank in sim.ranks)]
+        the gate held."""
+        self.held = [gated and not so.preempted_req_ids and len(rank.scheduler.waiting) > 0
+                     for rank, so in zip(sim.ranks, outputs)]
 
     def stepped(self, sim, start: float, outputs, costs) -> None:
         """After the lockstep step from ``start`` to ``sim.now``: every rank's records."""
@@ -86,13 +88,12 @@ class SimTrace(NoSimTrace):
             self._rank_step(index, scheduler, so, start_us, forward_end, num_prefill)
             writer.complete("max_step_time", forward_end, end_us, COLLECTIVES,
                             waited_ms=round((end_us - forward_end) / 1e3, 3))
-            writer.counter("kv_usage", end_us, usage=round(scheduler.kv_cache_manager.usage, 4))
-            running, waiting = scheduler.get_request_counts()
-            writer.counter("requests", end_us, running=running, waiting=waiting)
+            self._counters(index, scheduler, end_us)
             for req_id in so.num_scheduled_tokens:
-                if req_id not in scheduler.requests:  # finished in this step
+                if req_id not in scheduler.requests:  # finished in this step, at max_tokens
                     writer.emit({"ph": "e", "cat": "request", "id": req_id,
-                                 "name": f"request {req_id}", "ts": end_us})
+                                 "name": f"request {req_id}", "ts": end_us,
+                                 "args": {"finish_reason": "length"}})
         if not sim.engines_running:
             self._instant("wave end", end_us)
             self.wave, self.step, self.in_wave = self.wave + 1, 0, False
@@ -121,8 +122,18 @@ class SimTrace(NoSimTrace):
             prefill_tokens=num_prefill,
             decode_tokens=so.total_num_scheduled_tokens - num_prefill - num_drafts,
             draft_tokens=num_drafts, forward_ms=forward_ms, preempted=preempted,
-            drafts_proposed=proposed, drafts_accepted=accepted, waiting_for_grammar=0,
-            waiting_for_remote_kv=0)
+            drafts_proposed=proposed, drafts_accepted=accepted, waiting_for_grammar=[],
+            waiting_for_remote_kv=[])
+
+    def _counters(self, index: int, scheduler, ts: float) -> None:
+        """A rank's kv_usage and requests counters, where they changed."""
+        usage = round(scheduler.kv_cache_manager.usage, 4)
+        running, waiting = scheduler.get_request_counts()
+        before, self.counters[index] = self.counters[index], (usage, running, waiting)
+        if before is None or before[0] != usage:
+            self.writers[index].counter("kv_usage", ts, usage=usage)
+        if before is None or before[1:] != (running, waiting):
+            self.writers[index].counter("requests", ts, running=running, waiting=waiting)
 
     def _instant(self, name: str, ts: float) -> None:
         for writer in self.writers:

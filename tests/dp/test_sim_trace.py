@@ -86,14 +86,19 @@ def test_a_small_scenario_step_by_step(tmp_path):
     # Each request a track on its rank, from t = 0 to the end of the step that finished it.
     tracks = {(r["pid"], r["id"], r["ph"]): ms(r["ts"]) for r in records
               if r.get("cat") == "request"}
+    assert {r["args"]["finish_reason"] for r in records if r["ph"] == "e"} == {"length"}
     assert tracks == {(0, "0", "b"): 0, (1, "1", "b"): 0, (0, "2", "b"): 0,
                       (1, "1", "e"): 18, (0, "2", "e"): 30, (0, "0", "e"): 41}
+    # Rank 0's counters, where they changed.
     requests = [(ms(r["ts"]), r["args"]) for r in by_kind[0, "C", None]
                 if r["name"] == "requests"]
-    assert requests[:4] == [(18, {"running": 2, "waiting": 0}), (30, {"running": 1, "waiting": 0}),
-                            (41, {"running": 0, "waiting": 0}), (52, {"running": 0, "waiting": 0})]
-    usage = [r["args"]["usage"] for r in by_kind[0, "C", None] if r["name"] == "kv_usage"]
-    assert usage[0] > 0 and usage[3] == 0
+    assert requests == [(18, {"running": 2, "waiting": 0}), (30, {"running": 1, "waiting": 0}),
+                        (41, {"running": 0, "waiting": 0})]
+    # KV blocks of 4 tokens, 32 of them: 0 and 2 hold one block each after step 1 and two each
+    # in step 2, when 2 ends and frees its two: two of 32 until 0 ends.
+    usage = [(ms(r["ts"]), r["args"]["usage"]) for r in by_kind[0, "C", None]
+             if r["name"] == "kv_usage"]
+    assert usage == [(18, 2 / 32), (41, 0)]
 
 
 # The gate "full" (shut while a rank runs both its slots), 10 ms every step, at most 3 requests in
@@ -111,7 +116,7 @@ def test_a_rank_held_by_the_gate(tmp_path):
                                      ("dummy batch", 20, 10, None), ("step", 30, 10, {"3": 2})]
     held = {(r["pid"], r["args"]["step"]) for pid in (0, 1) for r in by_kind[pid, "X", 0]
             if r["args"].get("gate") == "hold"}
-    assert held == {(1, 3)}  # rank 0's gated steps had no one waiting
+    assert held == {(1, 3)}  # rank 0's gated steps had no one waiting, rank 1's step 2 neither
     request_3 = [r for r in by_kind[1, "b", None] if r["id"] == "3"]
     assert [ms(r["ts"]) for r in request_3] == [10]
 
