@@ -43,8 +43,10 @@ class TraceView:
     truncated: bool
 
 
-def step_kind(record: dict) -> str:
-    """A step record's kind, from its tokens: any prompt token with decodes or drafts is mixed."""
+def step_kind(record: dict) -> str | None:
+    """A step record's kind, from its tokens: any prompt token with decodes or drafts is mixed.
+    None for a step that computed nothing (the engine's record of a gate hold or of requests
+    that arrived or ended, with no dummy batch after it): no bar."""
     if record["name"] == "dummy batch":
         return "dummy batch"
     args = record.get("args", {})
@@ -52,7 +54,9 @@ def step_kind(record: dict) -> str:
     drafts = args.get("draft_tokens", 0)
     if prefill:
         return "mixed" if decode or drafts else "prefill"
-    return "draft verification" if drafts else "decode"
+    if drafts:
+        return "draft verification"
+    return "decode" if decode else None
 
 
 def load_view(records: list[dict]) -> TraceView:
@@ -75,7 +79,8 @@ def load_view(records: list[dict]) -> TraceView:
             if r["tid"] == COLLECTIVES:
                 lane.waits.append(span)
                 continue
-            lane.bars[step_kind(r)].append(span)
+            if kind := step_kind(r):
+                lane.bars[kind].append(span)
             if r.get("args", {}).get("gate") == "hold":
                 lane.holds.append(span)
         elif r["ph"] == "i" and r["name"] in ("wave start", "wave end"):

@@ -1,6 +1,7 @@
 """`python -m minicore trace-view` (minicore/tracing/view.py) on a stored trace: the PNG's pixel
 size from its header (given and default), the colours of the step kinds, the gate holds and the
-wave end in it, a time window, and the lanes and waves read from the records."""
+wave end in it, a time window, and the lanes and waves read from the records, also from an
+engine's records on the wall clock."""
 
 import struct
 from pathlib import Path
@@ -102,6 +103,30 @@ def test_lanes_and_waves_from_the_records():
     ("step", {"prefill_tokens": 8, "decode_tokens": 2}, "mixed"),
     ("step", {"prefill_tokens": 8, "draft_tokens": 2, "decode_tokens": 1}, "mixed"),
     ("step", {"decode_tokens": 3, "draft_tokens": 6}, "draft verification"),
-    ("step", {"decode_tokens": 3}, "decode")])
+    ("step", {"decode_tokens": 3}, "decode"),
+    ("step", {"prefill_tokens": 0, "decode_tokens": 0, "gate": "hold"}, None)])
 def test_step_kinds(name, tokens, kind):
     assert step_kind({"name": name, "args": tokens}) == kind
+
+
+def test_an_engine_trace_on_the_wall_clock():
+    # Times in microseconds of the wall clock, a step that computed nothing (only its gate hold
+    # is drawn), a wave not ended in the trace, a truncation mark.
+    t0 = 1.7e15
+    records = [
+        {"ph": "M", "name": "process_name", "pid": 3, "args": {"name": "DP rank 3"}},
+        {"ph": "i", "name": "wave start", "pid": 3, "tid": 0, "ts": t0, "args": {"wave": 5}},
+        {"ph": "X", "name": "step", "pid": 3, "tid": 0, "ts": t0 + 1000, "dur": 2000,
+         "args": {"tokens": {"a": 7}, "prefill_tokens": 7, "decode_tokens": 0}},
+        {"ph": "X", "name": "step", "pid": 3, "tid": 0, "ts": t0 + 3000, "dur": 500,
+         "args": {"tokens": {}, "prefill_tokens": 0, "decode_tokens": 0, "gate": "hold"}},
+        {"ph": "X", "name": "gather_running_counts", "pid": 3, "tid": 1, "ts": t0 + 3500,
+         "dur": 250, "args": {"waited_ms": 0.25}},
+        {"ph": "i", "name": "trace truncated", "pid": 3, "s": "p", "ts": t0 + 9e6,
+         "args": {"limit": 4}}]
+    view = load_view(records)
+    (lane,) = view.lanes
+    assert lane.name == "DP rank 3" and lane.bars["prefill"] == [(1.0, 2.0)]
+    assert sum(map(len, lane.bars.values())) == 1
+    assert lane.holds == [(3.0, 0.5)] and lane.waits == [(3.5, 0.25)]
+    assert view.waves == [(5, 0.0, 3.75, False)] and view.end_ms == 3.75 and view.truncated
