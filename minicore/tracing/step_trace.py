@@ -6,8 +6,10 @@ spans (vllm/tracing.py), nothing that shows DP ranks in time. A trace is one fil
 process of a run appends to: the JSON Array Format, ``[`` then one record a line, each ending in
 ``,``, whose closing ``]`` the format makes optional; a write is one ``os.write`` of whole lines on
 an ``O_APPEND`` file, so records of several processes never interleave. Records are queued by the
-busy loop and written by a thread of their own (``emit`` never blocks); ``defer`` queues a function
-and its arguments instead, called on that thread for the records, so that the busy loop hands over
+busy loop and written by a thread of their own (``emit`` never blocks), every WRITE_INTERVAL_S:
+woken for each record it would take the GIL from the busy loop at every step (which on a loaded
+machine, measured, costs more than building the records); ``defer`` queues a function and its
+arguments instead, called on that thread for the records, so that the busy loop hands over
 references and builds nothing. A process writes at most ``limit`` records, then one ``trace
 truncated`` instant and no more (the bound is in records, not bytes: a record is about 200 bytes,
 a step's more with a large batch). Times are microseconds of the wall clock (``time.time_ns``),
@@ -38,6 +40,8 @@ import msgspec
 logger = logging.getLogger(__name__)
 
 DEFAULT_LIMIT = 1_000_000  # records a process writes, about 200 MB
+# How often the writer's thread takes what is queued: a step's records reach the file this late.
+WRITE_INTERVAL_S = 0.1
 STEPS, COLLECTIVES = 0, 1  # a rank's threads (tracks)
 
 
@@ -56,6 +60,7 @@ class TraceWriter:
         # Counted, and set once the limit is reached, by the writer's thread alone.
         self._count, self.full = 0, False
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()  # set by flush and close, not by a record
         # msgspec's: a step's record, with its tokens per request, in a tenth of json's time.
         self._encode = msgspec.json.Encoder().encode
         self._fd = _open_trace(self.path, fresh)
@@ -104,6 +109,7 @@ class TraceWriter:
         """Wait until what is queued now is written; whether it was within timeout."""
         written = threading.Event()
         self._queue.put(written)
+        self._wake.set()
         return written.wait(timeout)
 
     def close(self) -> None:
@@ -112,15 +118,19 @@ class TraceWriter:
             return
         atexit.unregister(self.close)
         self._queue.put(None)
+        self._wake.set()
         self._thread.join(timeout=5)
         os.close(self._fd)
         self._fd = None
 
     def _write_loop(self) -> None:
-        """Write whatever is queued in one go, until close's None."""
+        """Write whatever is queued in one go, every WRITE_INTERVAL_S or when woken, until
+        close's None."""
         closed = False
         while not closed:
-            items = [self._queue.get()]
+            self._wake.wait(WRITE_INTERVAL_S)
+            self._wake.clear()  # what woke it is queued already: taken below
+            items = []
             while not self._queue.empty():
                 items.append(self._queue.get())
             lines: list[bytes] = []
