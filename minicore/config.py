@@ -27,6 +27,7 @@ from minicore.model.config import ModelConfig
 from minicore.model.registry import MODEL_RUNNERS, runner_info
 from minicore.spec_decode.config import SpeculativeConfig
 from minicore.structured_output.config import StructuredOutputsConfig
+from minicore.tracing.config import ObservabilityConfig
 
 BalanceThreshold = Literal["full", "one-short"]
 BalanceCountSync = Literal["all-gather", "all-reduce-max"]
@@ -269,6 +270,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     structured_outputs_config: StructuredOutputsConfig = field(
         default_factory=StructuredOutputsConfig)
+    observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
     def __post_init__(self):
         if self.scheduler_config.balance_scheduling and self.parallel_config.data_parallel_size < 2:
@@ -312,7 +314,8 @@ class EngineConfig:
 SUB_CONFIGS = (("model_config", ModelConfig, "model"),
                 ("scheduler_config", SchedulerConfig, "scheduler"),
                 ("cache_config", CacheConfig, "cache"),
-                ("parallel_config", ParallelConfig, "data parallel"))
+                ("parallel_config", ParallelConfig, "data parallel"),
+                ("observability_config", ObservabilityConfig, "observability"))
 
 
 def create_engine_config(**kwargs) -> EngineConfig:

@@ -34,6 +34,7 @@ from minicore.outputs import RequestOutput
 from minicore.protocol import EngineCoreRequest
 from minicore.request import Request
 from minicore.sampling_params import SamplingParams, parallel_sample_params
+from minicore.tracing.otel import make_request_tracer
 
 # The keys of vLLM's TextPrompt / TokensPrompt dicts that minicore implements.
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
@@ -126,7 +127,8 @@ class LLM:
         self.tokenizer = runner.tokenizer
         self.input_processor = InputProcessor(self.config, self.tokenizer,
                                               runner.model.config.vocab_size)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, make_request_tracer(
+            self.config.observability_config.otlp_traces_endpoint))
         self._request_counter = itertools.count()
         self.default_sampling_params: dict | None = None
 

@@ -7,7 +7,7 @@ minicore/scheduler/output.py.
 """
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 
 @dataclass(slots=True)
@@ -38,6 +38,27 @@ class RequestStateStats:
     num_generation_tokens: int = 0
     # PREEMPTED events seen (vLLM's RequestStateStats.num_preemptions).
     num_preemptions: int = 0
+
+    def phase_times(self, now: float) -> "PhaseTimes":
+        """A finished request's phases, as vLLM's IterationStats.update_from_finished_request:
+        queue = scheduled - queued, prefill = first token - scheduled, decode = last token -
+        first token, inference = last token - scheduled (all the engine's clock); e2e = now
+        (time.monotonic()) - arrival (the frontend's)."""
+        return PhaseTimes(now - self.arrival_time, self.scheduled_ts - self.queued_ts,
+                          self.first_token_ts - self.scheduled_ts,
+                          self.last_token_ts - self.first_token_ts,
+                          self.last_token_ts - self.scheduled_ts)
+
+
+class PhaseTimes(NamedTuple):
+    """Seconds a finished request spent in each phase (RequestStateStats.phase_times), read by the
+    latency histograms (minicore/entrypoints/metrics.py) and the request spans
+    (minicore/tracing/otel.py)."""
+    e2e: float
+    queue: float
+    prefill: float
+    decode: float
+    inference: float
 
 
 @dataclass(slots=True)

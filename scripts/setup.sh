@@ -34,8 +34,9 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
             pip install "torch==2.13.0+cpu" --index-url https://download.pytorch.org/whl/cpu
     fi
 fi
-# [ray]: the Ray data-parallel backend, whose tests CI runs.
-pip install -e ".[test,ray]"
+# [ray]: the Ray data-parallel backend, [otel]: OpenTelemetry request tracing; CI runs the tests
+# of both.
+pip install -e ".[test,ray,otel]"
 # NIXL, for the KV connector (minicore/kv_transfer/nixl_worker.py): nixl-cu12 holds the library
 # (its UCX backend works on CPU memory), the nixl meta package makes `import nixl._api` work.
 # --no-deps on both: nixl-cu12's own dependencies are torch and numpy, already here, and a plain

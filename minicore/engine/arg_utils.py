@@ -110,6 +110,10 @@ def _flag_kwargs(f: Field) -> dict:
         return kwargs | {"type": _json_dataclass(kind), "metavar": "JSON"}
     if get_origin(kind) is Literal:
         return kwargs | {"choices": get_args(kind)}
+    if get_origin(kind) is list:  # vLLM's list flags: --flag A B
+        (item,) = get_args(kind)
+        return kwargs | {"nargs": "+", **({"choices": get_args(item)} if get_origin(item) is Literal
+                                          else {"type": item})}
     return kwargs | {"type": f.metadata.get("type", kind)}
 
 

@@ -11,13 +11,14 @@ stream in flight ends with EngineDeadError at once. The control plane (vLLM's As
 wake_up, pause_generation, resume_generation, collective_rpc, the weight update) calls every
 engine's utility method (minicore/engine/control.py) and returns when all are done; while the
 engines are paused or asleep, new requests wait here, before any engine sees them (so no DP wave
-starts), and go on at resume. Left out: logprobs, n > 1 fan-out (the server makes one request
-per choice), LoRA, pooling.
+starts), and go on at resume. With --otlp-traces-endpoint each request ends in an OpenTelemetry
+span (minicore/tracing/otel.py), the child of the trace context generate was given. Left out:
+logprobs, n > 1 fan-out (the server makes one request per choice), LoRA, pooling.
 """
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from minicore.config import EngineConfig
@@ -30,6 +31,7 @@ from minicore.engine.output_processor import OutputProcessor, RequestOutputColle
 from minicore.outputs import RequestOutput
 from minicore.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from minicore.sampling_params import SamplingParams
+from minicore.tracing.otel import make_request_tracer
 from minicore.utils import freeze_gc_heap
 
 logger = logging.getLogger(__name__)
@@ -50,7 +52,8 @@ class AsyncLLM:
         self.model_name = model_name
         self.num_engines = len(config.parallel_config.engine_ranks)
         self.input_processor = InputProcessor(config, tokenizer, vocab_size)
-        self.output_processor = OutputProcessor(tokenizer)
+        self.output_processor = OutputProcessor(tokenizer, make_request_tracer(
+            config.observability_config.otlp_traces_endpoint))
         self.engine_core = engine_core
         engine_core.on_dead = self.output_processor.fail_all
         # Set while the engines take requests; new ones wait for it (pause, sleep).
@@ -107,13 +110,16 @@ class AsyncLLM:
     async def generate(self, prompt: Prompt | EngineCoreRequest,
                        sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, *, priority: int = 0,
-                       data_parallel_rank: int | None = None,
-                       prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+                       data_parallel_rank: int | None = None, prompt_text: str | None = None,
+                       trace_headers: Mapping[str, str] | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Stream the request's cumulative RequestOutputs, the last with finished=True.
 
         prompt: a string, a list of token ids, or an EngineCoreRequest that the InputProcessor
         already built (then prompt_text is the text it came from, if any, and the other arguments
         are not used). data_parallel_rank: the engine to run it on (default: the least loaded).
+        trace_headers: the client's W3C trace context (traceparent, tracestate), the parent of
+        the request's span.
         Raises ValueError (at the first iteration, before anything is sent) for an invalid
         request, EngineDeadError if the engine is or becomes dead. A request left unfinished is
         aborted in the engine when the iterator is closed: at once if the consumer closes it
@@ -130,7 +136,7 @@ class AsyncLLM:
                 data_parallel_rank=data_parallel_rank)
             prompt_text = prompt if isinstance(prompt, str) else None
         queue = RequestOutputCollector()
-        state = self.output_processor.add_request(request, prompt_text, queue)
+        state = self.output_processor.add_request(request, prompt_text, queue, trace_headers)
         try:
             if not self._resumed.is_set():
                 await self._wait_for_resume(queue)

@@ -14,13 +14,15 @@ characters until they cannot start a stop string any more (nothing is held back 
 include_stop_str_in_output). Logprobs go through each request's LogprobsProcessor
 (minicore/engine/logprobs.py); a RequestOutput carries all of them so far. An engine output that
 only carries prompt logprobs (a chunked prefill) wakes no stream: they come with the first token, as
-vLLM returns them at the end of prefill. Left out: n > 1 fan-out (the offline LLM's), pooling
-outputs, iteration stats objects (the metrics hooks below take their place).
+vLLM returns them at the end of prefill. Each finished request goes to the request tracer bound
+at construction (minicore/tracing/otel.py: OpenTelemetry spans, or NoRequestTracer), as vLLM's
+do_tracing. Left out: n > 1 fan-out (the offline LLM's), pooling outputs, iteration stats objects
+(the metrics hooks below take their place).
 """
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from minicore.engine.detokenizer import IncrementalDetokenizer
@@ -29,6 +31,7 @@ from minicore.engine.logprobs import LogprobsProcessor
 from minicore.outputs import CompletionOutput, RequestOutput, RequestStateStats
 from minicore.protocol import EngineCoreEventType, EngineCoreOutput, EngineCoreRequest, FinishReason
 from minicore.sampling_params import SamplingParams
+from minicore.tracing.otel import NoRequestTracer, OtelRequestTracer
 
 
 class RequestFailedError(RuntimeError):
@@ -102,6 +105,8 @@ class RequestState:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.sampling_params = params
         self.stats = RequestStateStats(arrival_time=self.arrival_time)
+        # The client's W3C trace context headers, kept for its span when tracing is on.
+        self.trace_headers: Mapping[str, str] | None = None
 
     @property
     def finished(self) -> bool:
@@ -191,8 +196,10 @@ class OutputProcessor:
       on_iteration_end(): after each process_outputs call (one engine frame: vLLM's iteration).
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, tracer: NoRequestTracer | OtelRequestTracer | None = None):
         self.tokenizer = tokenizer
+        # Makes each finished request's span (--otlp-traces-endpoint), or nothing.
+        self.tracer = tracer or NoRequestTracer()
         self.request_states: dict[str, RequestState] = {}
         self.on_new_tokens: Callable[[RequestState, int, float | None], None] | None = None
         self.on_request_finished: Callable[[RequestState], None] | None = None
@@ -202,11 +209,15 @@ class OutputProcessor:
         return bool(self.request_states)
 
     def add_request(self, request: EngineCoreRequest, prompt: str | None,
-                    queue: RequestOutputCollector | None = None) -> RequestState:
+                    queue: RequestOutputCollector | None = None,
+                    trace_headers: Mapping[str, str] | None = None) -> RequestState:
+        """trace_headers: the client's traceparent/tracestate (get_trace_headers), if any."""
         if request.request_id in self.request_states:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         state = RequestState(request.request_id, prompt, request.prompt_token_ids,
                              request.sampling_params, self.tokenizer, request.arrival_time, queue)
+        if trace_headers:
+            state.trace_headers = self.tracer.accept_headers(trace_headers)
         self.request_states[request.request_id] = state
         return state
 
@@ -254,6 +265,7 @@ class OutputProcessor:
 
     def _finish(self, state: RequestState) -> None:
         del self.request_states[state.request_id]
+        self.tracer.request_finished(state)
         if self.on_request_finished is not None:
             self.on_request_finished(state)
 

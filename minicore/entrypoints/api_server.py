@@ -56,6 +56,7 @@ from minicore.entrypoints.utils import (
     with_cancellation,
 )
 from minicore.logger import uvicorn_log_config
+from minicore.tracing.otel import get_trace_headers
 from minicore.utils import listen_on
 
 logger = logging.getLogger(__name__)
@@ -203,12 +204,14 @@ def _add_routes(app: FastAPI, client: AsyncLLM, serving: OpenAIServing,
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request):
-        return await run(serving.create_completion(request, rank_header(raw_request)),
+        return await run(serving.create_completion(request, rank_header(raw_request),
+                                                   get_trace_headers(raw_request.headers)),
                          raw_request, request.stream)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
-        return await run(serving.create_chat_completion(request, rank_header(raw_request)),
+        return await run(serving.create_chat_completion(request, rank_header(raw_request),
+                                                        get_trace_headers(raw_request.headers)),
                          raw_request, request.stream)
 
 

@@ -337,25 +337,23 @@ class ServerMetrics:
 
     def on_request_finished(self, state: RequestState) -> None:
         """OutputProcessor's hook: a request finished. Its phases as vLLM's
-        IterationStats.update_from_finished_request: queue = scheduled - queued, prefill = first
-        token - scheduled, decode = last token - first token, inference = last token -
-        scheduled (all the engine's clock); e2e from the frontend's arrival."""
+        IterationStats.update_from_finished_request (RequestStateStats.phase_times)."""
         engine = state.engine_index
         self._success[state.finish_reason][engine].inc()
         if state.finish_reason == "abort":
             return  # the client went away: vLLM observes nothing for it
         s, h = state.stats, self.histograms
         num_generated = s.num_generation_tokens
-        decode_time = s.last_token_ts - s.first_token_ts
+        t = s.phase_times(time.monotonic())
         params = state.sampling_params
         num_cached = max(state.num_cached_tokens, 0)
         for attr, value in (
-                ("e2e", time.monotonic() - s.arrival_time),
-                ("queue", s.scheduled_ts - s.queued_ts),
-                ("prefill", s.first_token_ts - s.scheduled_ts),
-                ("decode", decode_time),
-                ("inference", s.last_token_ts - s.scheduled_ts),
-                ("tpot", decode_time / (num_generated - 1) if num_generated > 1 else 0),
+                ("e2e", t.e2e),
+                ("queue", t.queue),
+                ("prefill", t.prefill),
+                ("decode", t.decode),
+                ("inference", t.inference),
+                ("tpot", t.decode / (num_generated - 1) if num_generated > 1 else 0),
                 ("preemptions", s.num_preemptions),
                 ("prefill_kv_computed", len(state.prompt_token_ids) - num_cached),
                 ("prompt_len", len(state.prompt_token_ids)),

@@ -17,7 +17,7 @@ return_token_ids, per-request metrics.
 """
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
 
 import msgspec
@@ -70,16 +70,18 @@ class OpenAIServing(OpenAIServingBase):
 
     # ---------------------------------------------------------------------- completions
 
-    async def create_completion(self, request: CompletionRequest, rank_header: str | None = None):
+    async def create_completion(self, request: CompletionRequest, rank_header: str | None = None,
+                                trace_headers: Mapping[str, str] | None = None):
         """A CompletionResponse, or for stream=True an async iterator of SSE bytes. rank_header:
-        the X-data-parallel-rank header, the engine to run on."""
+        the X-data-parallel-rank header, the engine to run on; trace_headers: the request's W3C
+        trace context (get_trace_headers), its spans' parent."""
         self._check_request(request)
         prompts = self._completion_prompts(request.prompt)
         max_tokens = 1 if request.echo_without_generation else request.max_tokens
         params = self.sampling_params(request, max_tokens)
         response_id = f"cmpl-{random_uuid()}"
         choices = await self._make_choices(response_id, prompts, params, request, "prompt",
-                                           rank_header)
+                                           rank_header, trace_headers)
         model = request.model or self.model_names[0]
         if request.stream:
             return self._completion_stream(request, response_id, model, choices)
@@ -166,7 +168,8 @@ class OpenAIServing(OpenAIServingBase):
     # ----------------------------------------------------------------- chat completions
 
     async def create_chat_completion(self, request: ChatCompletionRequest,
-                                     rank_header: str | None = None):
+                                     rank_header: str | None = None,
+                                     trace_headers: Mapping[str, str] | None = None):
         """A ChatCompletionResponse, or for stream=True an async iterator of SSE bytes."""
         self._check_request(request)
         tools = check_tools(request, self.tool_parser_cls)
@@ -176,7 +179,7 @@ class OpenAIServing(OpenAIServingBase):
         response_id = f"chatcmpl-{random_uuid()}"
         try:
             choices = await self._make_choices(response_id, [text], params, request, "messages",
-                                               rank_header)
+                                               rank_header, trace_headers)
         except OpenAIError as e:
             # A constraint the engine refuses that tool choice set: the tools' own schema.
             if e.param == "structured_outputs" and (

@@ -20,7 +20,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -243,9 +243,11 @@ class OpenAIServingBase:
 
     async def _make_choices(self, response_id: str, prompts: list[str | list[int]],
                             params: SamplingParams, request: SamplingRequest, param: str,
-                            rank_header: str | None) -> list[Choice]:
+                            rank_header: str | None,
+                            trace_headers: Mapping[str, str] | None = None) -> list[Choice]:
         """Check the X-data-parallel-rank header and build every prompt's engine request, then
-        make n choices per prompt. Nothing reaches the engine until the choices are iterated."""
+        make n choices per prompt, each traced under trace_headers (each its own span, as vLLM's
+        n child requests). Nothing reaches the engine until the choices are iterated."""
         rank = self._data_parallel_rank(rank_header)
         if params.kv_transfer_params is not None and (len(prompts) > 1 or request.n > 1):
             # A response returns one set of params: those of a second engine request (blocks a
@@ -270,7 +272,8 @@ class OpenAIServingBase:
                 choice_request = msgspec.structs.replace(engine_request, request_id=request_id,
                                                          sampling_params=p)
                 outputs = self.client.generate(
-                    choice_request, prompt_text=shared.text if shared.given_as_text else None)
+                    choice_request, prompt_text=shared.text if shared.given_as_text else None,
+                    trace_headers=trace_headers)
                 choices.append(Choice(len(choices), request_id, shared, outputs))
         return choices
 

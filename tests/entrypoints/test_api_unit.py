@@ -159,7 +159,7 @@ class ScriptedClient:
     def num_engines(self) -> int:
         return len(self.config.parallel_config.engine_ranks)
 
-    async def generate(self, request, *, prompt_text=None):
+    async def generate(self, request, *, prompt_text=None, trace_headers=None):
         request_id, params = request.request_id, request.sampling_params
         prompt, prompt_token_ids = prompt_text, request.prompt_token_ids
         self.started.append(request_id)

@@ -91,9 +91,9 @@ class StubEngineClient:
         self.latest_stats = {0: SchedulerStats()}
         self.received: list[EngineCoreRequest] = []
 
-    async def generate(self, request, *, prompt_text=None):
+    async def generate(self, request, *, prompt_text=None, trace_headers=None):
         queue = RequestOutputCollector()
-        self.output_processor.add_request(request, prompt_text, queue)
+        self.output_processor.add_request(request, prompt_text, queue, trace_headers)
         request = msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=EngineCoreRequest)
         self.received.append(request)
         asked = request.sampling_params.kv_transfer_params
