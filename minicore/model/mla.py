@@ -60,6 +60,10 @@ class MLAAttention:
         self.heads = module.num_heads
         self.nope, self.rope = module.qk_nope_head_dim, module.qk_rope_head_dim
         self.rank, self.v_dim = module.kv_lora_rank, module.v_head_dim
+        # The kernel takes [out, in] row-major: W_UV is, W_UK's transpose is copied here, once
+        # per binding (the runner binds again when the weights change: sleep, updates).
+        w_uk, _ = self._up_projections()
+        self.w_uk_rows = None if kernels is None else w_uk.transpose(1, 2).contiguous()
 
     def __call__(self, hidden_states: torch.Tensor, position_embeddings=None,
                  attention_mask: torch.Tensor | None = None, **kwargs):
@@ -97,10 +101,10 @@ class MLAAttention:
         """Absorbed: ``[n, heads, nope]`` and ``[n, heads, rope]`` queries over the latent rows;
         ``[n, heads, v_head_dim]`` back."""
         w_uk, w_uv = self._up_projections()
-        q = torch.cat([self._per_head(q_nope, w_uk), q_pe], dim=-1)
+        q = torch.cat([self._per_head(q_nope, w_uk, self.w_uk_rows), q_pe], dim=-1)
         out = batched_decode_attention(q, kv_cache, self.module.layer_idx, meta,
                                        self.module.scaling, None, None)
-        return self._per_head(out[..., :self.rank], w_uv.transpose(1, 2))
+        return self._per_head(out[..., :self.rank], w_uv.transpose(1, 2), w_uv)
 
     def _forward_prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
                          kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -122,15 +126,15 @@ class MLAAttention:
         weight = self.module.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.rank)
         return weight[:, :self.nope], weight[:, self.nope:]
 
-    def _per_head(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _per_head(self, x: torch.Tensor, weight: torch.Tensor,
+                  rows: torch.Tensor | None) -> torch.Tensor:
         """Each head's rows of ``x`` (``[n, heads, in]``) times its matrix (``weight``
-        ``[heads, in, out]``). By the kernel, one call a head (each output's sum in one order
-        whatever the rows), else one batched matmul."""
+        ``[heads, in, out]``; ``rows``: the same as ``[heads, out, in]``, each head's
+        contiguous). By the kernel, one call a head (each output's sum in one order whatever the
+        rows), else one batched matmul."""
         if self.kernels is None:
             return torch.bmm(x.transpose(0, 1), weight).transpose(0, 1)
-        # The kernel takes [out, in] row-major: W_UV is, W_UK's transpose is copied.
-        return torch.stack([linear(self.kernels, x[:, h].contiguous(),
-                                   weight[h].t().contiguous(), None, x.dtype)
+        return torch.stack([linear(self.kernels, x[:, h].contiguous(), rows[h], None, x.dtype)
                             for h in range(self.heads)], dim=1)
 
 

@@ -119,9 +119,8 @@ class ModelRunner(ModelRunnerBase):
             use_cpu_layers(module, native_kernels())
 
     def bind_weights(self) -> None:
-        """After the weights' tensors changed: the CPU linear layers take them anew."""
-        if self.device.type == "cpu":
-            use_cpu_linear(self.model, native_kernels(), self.batch_invariant)
+        """After the weights' tensors changed: the layers bound to kernels take them anew."""
+        self.bind_layers(self.model)
 
     # ---- sleep mode and weights (sleep_mode.py; collective_rpc may name load_weights) ----------
 

@@ -142,3 +142,19 @@ def test_on_cuda_greedy_parity_with_the_gathered_absorbed_decode(tmp_path, famil
     assert runner.kv_caches[0].shape[0] == 1  # one latent row a token
     assert _generate(llm) == reference
     assert llm.llm_engine.scheduler.kv_cache_manager.prefix_cache_stats.hits > 0
+
+
+def test_new_weights_reach_the_absorbed_products(tmp_path):
+    """With batch invariance the per-head kernel takes W_UK's transpose, copied when the layers
+    bind: a weight update binds them again, and the tokens are the new model's. (Dense layers
+    only: a checkpoint saves its experts one by one, which load_weights does not stack.)"""
+    tokenizer = load_tokenizer(resolve_model_dir(), vocab_size=False)
+    first, other = (_build("deepseek_v3", tmp_path / name, tokenizer, first_k_dense_replace=2,
+                           initializer_range=scale)
+                    for name, scale in (("first", 0.2), ("other", 0.25)))
+    llm = LLM(str(first), num_blocks=32, **ENGINE)
+    assert llm.llm_engine.model_runner.batch_invariant
+    llm.start_weight_update()
+    llm.update_weights({"path": str(other)})
+    llm.finish_weight_update()
+    assert _generate(llm) == _reference(other) != _reference(first)
