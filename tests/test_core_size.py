@@ -39,7 +39,7 @@ FEATURE_NAME = re.compile(r"connector|remote_kv|kv_transfer|logprob|simulat|lock
 FEATURE_PACKAGES = ("minicore.config", "minicore.arg_utils", "minicore.engine.components",
                     "minicore.engine.arg_utils", "minicore.engine.input_processor",
                     "minicore.model", "minicore.kv_transfer", "minicore.spec_decode",
-                    "minicore.structured_output", "minicore.entrypoints")
+                    "minicore.structured_output", "minicore.entrypoints", "minicore.tracing")
 # Where components are chosen and released; so are the functions called only from these.
 CONSTRUCTION = {"__init__", "shutdown", "close"}
 _LOADED = """

@@ -53,6 +53,8 @@ def engine_fingerprint(config: EngineConfig) -> dict[str, Any]:
         "--enable-expert-parallel": pc.enable_expert_parallel,
         "--balance-scheduling": sc.balance_scheduling,
         "--balance-count-sync": sc.balance_count_sync,
+        # A traced rank meets its peers at startup to align its clock (minicore/tracing/clock.py).
+        "--trace-steps": config.observability_config.trace_steps is not None,
         # What the balance gate compares the gathered counts with: unequal, the ranks would open
         # and close it at different counts.
         "--balance-threshold": sc.balance_threshold,

@@ -3,7 +3,7 @@
 The one place that reads a feature's config and picks its component: the model runner (by
 --runner, minicore/model/registry.py), the KV connectors' two sides, the structured output
 manager, the scheduler's own components (drafts, async scheduling's placeholders, logprobs, the
-balance gate), the drafter and the step function's batch queue. EngineCore
+balance gate), the drafter, the step function's batch queue and the step tracer. EngineCore
 (minicore/engine/core.py) takes the result and imports none of these packages; a new feature adds
 its files and a line here, not a parameter to the core's constructors. vLLM makes the same split
 at one level: EngineCore takes the executor class that Executor.get_class(vllm_config) chose
@@ -35,6 +35,7 @@ from minicore.scheduler.spec_decode import RunnerDrafts, SpecDecode
 from minicore.spec_decode.config import SpeculativeConfig
 from minicore.spec_decode.drafter import Drafter, NoDrafter, make_drafter
 from minicore.structured_output.manager import make_structured_output_manager
+from minicore.tracing.step_tracer import NoStepTracer, make_step_tracer
 
 
 @dataclass(slots=True)
@@ -57,6 +58,9 @@ class EngineComponents:
     client_router: OneClient | ClientRouter
     # Re-forms a DP rank's group at another size: ElasticEP (--enable-elastic-ep) or NoElasticEP.
     elastic_ep: object
+    # Writes the steps to --trace-steps (StepTracer: it wraps the scheduler, the runner's dummy
+    # batch and the DP group here, and the engine in EngineCore.__init__), or NoStepTracer.
+    step_tracer: NoStepTracer
 
 
 def build_components(config: EngineConfig, model=None, tokenizer=None,
@@ -91,7 +95,8 @@ def build_components(config: EngineConfig, model=None, tokenizer=None,
     return EngineComponents(info, model_runner, kv_connectors, so_manager, scheduler, drafter,
                             BatchQueue(2 if async_scheduling else 1), check_request,
                             make_client_router(config.parallel_config.client_count),
-                            _make_elastic_ep(config))
+                            _make_elastic_ep(config),
+                            make_step_tracer(config, scheduler, model_runner, dp_group))
 
 
 class NoElasticEP:

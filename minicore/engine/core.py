@@ -49,6 +49,7 @@ class EngineCore(EngineControl):
         # Steps submitted and not yet updated from (vLLM: batch_queue).
         self.batch_queue = components.batch_queue
         self.step_fn = self.step_with_batch_queue if self.batch_queue.size > 1 else self.step
+        components.step_tracer.bind(self)  # --trace-steps' wraps of the forward and the shutdown
 
     def add_request(self, request: Request) -> None:
         """ValueError for a request the model cannot run; nothing is scheduled then."""

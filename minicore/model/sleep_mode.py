@@ -48,7 +48,9 @@ def release(runner, level: int) -> None:
     runner.released = {"weights", "kv_cache"} if level else {"kv_cache"}
     # A DP rank asleep may still be woken for a wave a peer started before the pause reached it
     # (a request for a wave that had ended): its dummy batches then run nothing, which keeps its
-    # collectives in step with the peers' (all of them, but with expert parallelism).
+    # collectives in step with the peers' (all of them, but with expert parallelism). What ran
+    # before (the runner's own, or a step tracer's wrap of it) runs again on waking.
+    vars(runner).setdefault("awake_dummy_batch", runner.execute_dummy_batch)
     runner.execute_dummy_batch = _nothing
     _return_memory(runner.device)
 
@@ -64,8 +66,8 @@ def restore(runner, tags: list[str], level: int) -> None:
     if "kv_cache" in tags:
         runner.init_kv_cache()
     runner.released -= set(tags)
-    if not runner.released:
-        del runner.execute_dummy_batch  # the runner's own again
+    if not runner.released and (awake := vars(runner).pop("awake_dummy_batch", None)):
+        runner.execute_dummy_batch = awake
     _return_memory(runner.device)
 
 

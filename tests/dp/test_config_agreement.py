@@ -207,7 +207,8 @@ def test_the_fingerprint_holds_the_shared_settings_and_leaves_per_rank_ones_out(
     assert {"--runner", "--enable-expert-parallel", "--balance-scheduling", "--balance-threshold",
             "--balance-count-sync", "--max-num-seqs", "--max-model-len", "--block-size",
             "--speculative-config", "--structured-outputs-config", "--kv-transfer-config",
-            "--scheduling-policy", "--max-logprobs", "--tokenizer"} < set(fingerprint)
+            "--scheduling-policy", "--max-logprobs", "--tokenizer", "--trace-steps"
+            } < set(fingerprint)
     assert json.loads(json.dumps(fingerprint)) == fingerprint  # plain values: it travels as JSON
     per_rank = _config(model, kv_cache_memory=1 << 20, gpu_memory_utilization=0.5, seed=3,
                        max_num_batched_tokens=1024, enable_chunked_prefill=True,

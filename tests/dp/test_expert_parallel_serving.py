@@ -8,13 +8,16 @@ runs dummy forwards (which must still meet rank 0's forwards in every MoE layer)
 request, and holding a request that the balance gate keeps it from scheduling. Rank 0 runs three
 requests of different lengths, which fill it (max_num_seqs 3: the gate closes on every rank), while
 rank 1 idles; once rank 0 is full, rank 1 gets a request, which waits until rank 0's shortest one
-ends and then runs beside the other two. Each rank says at startup which experts it kept. The
+ends and then runs beside the other two. Each rank says at startup which experts it kept, and
+writes its steps to the run's step trace (--trace-steps, issue 46), which must show the same: both
+ranks' forwards in lockstep, rank 1's dummy batches and the gate holding its request. The
 random-trace tests (test_dp_traces.py) and a dying rank (test_dp_server.py) run with an EP model
 too; the CLI's refusals are in tests/test_cli.py.
 """
 
 import asyncio
 import random
+from collections import Counter
 
 import pytest
 from dp_helpers import (
@@ -31,6 +34,7 @@ from minicore.config import create_engine_config
 from minicore.llm import LLM
 from minicore.model.expert_parallel import check_expert_parallel, determine_expert_map
 from minicore.sampling_params import SamplingParams
+from minicore.tracing.step_trace import COLLECTIVES, STEPS, read_trace
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -115,7 +119,8 @@ async def test_dp2_expert_parallel_gives_the_tokens_of_one_engine(moe_model_dir,
     config = create_engine_config(model=model_dir, data_parallel_size=2,
                                   data_parallel_rpc_port=free_port_pair(),
                                   enable_expert_parallel=True, balance_scheduling=True,
-                                  max_num_seqs=MAX_NUM_SEQS, **engine_args)
+                                  max_num_seqs=MAX_NUM_SEQS, trace_steps=tmp_path / "trace.json",
+                                  **engine_args)
     with engine_log(tmp_path / "engines.log") as log_path:
         async with dp_client(config) as client:
             got, rank1_waiting = await asyncio.wait_for(served_tokens(client, prompts),
@@ -125,6 +130,7 @@ async def test_dp2_expert_parallel_gives_the_tokens_of_one_engine(moe_model_dir,
     assert got == reference
     # A frame of rank 1 showed LATE waiting: a step that scheduled nothing, with a request held.
     assert 1 in rank1_waiting, rank1_waiting
+    assert_lockstep_trace(read_trace(tmp_path / "trace.json"))
 
     # Each rank kept its share of the experts (vLLM's linear placement) and said so.
     num_experts = check_expert_parallel(tiny_moe_config(family), 2)
@@ -132,3 +138,37 @@ async def test_dp2_expert_parallel_gives_the_tokens_of_one_engine(moe_model_dir,
     for rank in range(2):
         held = determine_expert_map(2, rank, num_experts)[1].ge(0).nonzero().flatten().tolist()
         assert f"DP rank {rank}: experts {held[0]}-{held[-1]} of {num_experts}" in log
+
+
+def assert_lockstep_trace(records: list[dict]) -> None:
+    """The run's step trace (written by both engine processes, closed at their shutdown): each
+    rank's steps, the same number of forwards per rank in each wave, rank 1's dummy batches and
+    its request held by the gate, the collectives each rank waited in, and every request's track
+    on its rank, beginning and ending inside that rank's steps."""
+    names = {r["pid"]: r["args"]["name"] for r in records if r["name"] == "process_name"}
+    assert names == {0: "DP rank 0", 1: "DP rank 1"}
+    steps = {rank: [r for r in records if r["ph"] == "X" and r["tid"] == STEPS
+                    and r["pid"] == rank] for rank in names}
+    forwards = {rank: Counter(r["args"]["wave"] for r in rank_steps
+                              if r["name"] == "dummy batch" or r["args"]["tokens"])
+                for rank, rank_steps in steps.items()}
+    assert forwards[0] == forwards[1] and sum(forwards[0].values()) > 0, forwards
+    dummies = [r for r in steps[1] if r["name"] == "dummy batch"]
+    assert dummies and any(r["args"].get("gate") == "hold" for r in dummies)
+    for rank in names:
+        waits = [r for r in records if r["ph"] == "X" and r["tid"] == COLLECTIVES
+                 and r["pid"] == rank]
+        assert {r["name"] for r in waits} == {"has_global_unfinished_reqs",
+                                              "gather_running_counts"}
+        assert all(r["args"]["waited_ms"] >= 0 for r in waits)
+        marks = [(r["name"], r["args"]["wave"]) for r in records
+                 if r["ph"] == "i" and r["pid"] == rank]
+        assert marks[:2] == [("wave start", 0), ("wave end", 0)], marks
+    tracks = [r for r in records if r.get("cat") == "request"]
+    assert sorted((r["id"], r["ph"]) for r in tracks) == [
+        (f"req-{i}", ph) for i in range(len(PLAN)) for ph in "be"]
+    for track in tracks:
+        rank = PLAN[int(track["id"].removeprefix("req-"))][0]
+        assert track["pid"] == rank
+        assert any(s["ts"] - 1e-3 <= track["ts"] <= s["ts"] + s["dur"] + 1e-3
+                   for s in steps[rank]), track
