@@ -23,11 +23,11 @@ import torch
 from torch import nn
 
 from minicore.model.attention import META_KWARG, AttentionMetadata
+from minicore.model.expert_checkpoint import stack_experts
 
 MTP_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 # An MTP layer's own weights (vLLM's spec_layer_weight_names); the rest are its mtp_block's.
 _OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
-_EXPERT = ("gate_proj", "up_proj", "down_proj")
 
 
 def num_mtp_layers(config) -> int:
@@ -119,8 +119,13 @@ def load_mtp_weights(mtp: DeepSeekMTP, model: nn.Module, model_dir: Path) -> Non
             raise ValueError(f"speculative_config: method 'mtp' needs the model's MTP layers, "
                              f"and the checkpoint at {model_dir} has no weights of layer "
                              f"{mtp.mtp_start_layer_idx + i} ({prefix}*)")
+        try:
+            stacked = stack_experts(found, model.config.n_routed_experts)
+        except ValueError as e:
+            raise ValueError(f"speculative_config: the MTP layer {prefix}* of {model_dir}: "
+                             f"{e}") from None
         state = {}
-        for name, tensor in _stack_experts(found).items():
+        for name, tensor in stacked.items():
             if name == "embed_tokens.weight":
                 continue  # the target's embedding (vLLM's shared_weight_names)
             name = name if name.startswith(_OWN) else "mtp_block." + name
@@ -131,23 +136,3 @@ def load_mtp_weights(mtp: DeepSeekMTP, model: nn.Module, model_dir: Path) -> Non
             raise ValueError(f"speculative_config: the MTP layer {prefix}* of {model_dir} does "
                              f"not fit {type(layer.mtp_block).__name__}: missing {missing}, "
                              f"unexpected {unexpected}")
-
-
-def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per-expert checkpoint tensors (mlp.experts.{j}.{gate,up,down}_proj.weight, DeepSeek's
-    layout) stacked as transformers' experts module holds them: gate_up_proj [E, 2I, H] (gate
-    rows first), down_proj [E, H, I]."""
-    experts: dict[str, dict[int, torch.Tensor]] = {p: {} for p in _EXPERT}
-    out = {}
-    for name, tensor in tensors.items():
-        parts = name.split(".")
-        if parts[:2] == ["mlp", "experts"] and parts[2].isdigit() and parts[3] in _EXPERT:
-            experts[parts[3]][int(parts[2])] = tensor
-        else:
-            out[name] = tensor
-    if experts["down_proj"]:
-        ids = sorted(experts["down_proj"])
-        out["mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([experts["gate_proj"][j], experts["up_proj"][j]]) for j in ids])
-        out["mlp.experts.down_proj"] = torch.stack([experts["down_proj"][j] for j in ids])
-    return out

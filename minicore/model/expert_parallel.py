@@ -270,6 +270,22 @@ def is_moe_block(module: nn.Module) -> bool:
         and all(isinstance(getattr(experts, w, None), nn.Parameter) for w in _STACKED_WEIGHTS))
 
 
+def sharded_experts_param(model: nn.Module,
+                          name: str) -> tuple[nn.Parameter, range, int] | None:
+    """Where a whole model's stacked experts parameter ``name`` (``...experts.gate_up_proj`` or
+    ``...experts.down_proj``) is on this rank's sharded model: this rank's slice of it, the global
+    ids of the experts the slice holds and the layer's number of experts; None for other names."""
+    module_name, _, leaf = name.rpartition(".")
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return None
+    if leaf not in _STACKED_WEIGHTS or not isinstance(module, ExpertParallelExperts):
+        return None
+    held = module.expert_map.ge(0).nonzero().flatten().tolist()
+    return getattr(module.experts, leaf), range(held[0], held[-1] + 1), len(module.expert_map)
+
+
 def _slice_experts(experts: nn.Module, start: int, count: int, num_experts: int) -> nn.Module:
     """Keep experts [start, start + count) of every stacked parameter (a copy: the others' memory
     goes with the original), and tell the module that its ids are local with EP sentinels."""

@@ -8,17 +8,24 @@ weight update anyway; it comes back zeroed, as vLLM's). The weights: at level 1 
 (already in host memory), moved to pinned host memory on CUDA; at level 2 dropped, and reloaded
 from the model directory on wake-up (what was loaded in place since is lost, as in vLLM). Freed
 host memory goes back to the kernel (malloc_trim): the runner's heap keeps freed blocks otherwise
-(minicore/model/cpu_memory.py). Left out: vLLM's allocator-level tagging of every allocation.
+(minicore/model/cpu_memory.py). Weights loaded in place may come as checkpoints save them: a MoE
+layer's experts one by one, stacked here as transformers holds them (expert_checkpoint.py), an
+expert-parallel rank taking its own experts only. Left out: vLLM's allocator-level tagging of
+every allocation.
 """
 
 import gc
 import hashlib
 import logging
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from minicore.model.cpu_memory import release_freed_memory
+from minicore.model.expert_checkpoint import plan_experts
+from minicore.model.expert_parallel import sharded_experts_param
 
 logger = logging.getLogger(__name__)
 
@@ -88,17 +95,18 @@ def _reload_weights(runner) -> None:
 
 def load_weights(runner, path: str) -> int:
     """Copy the tensors of a safetensors file (or of every one in a directory) into the model's
-    parameters of the same names, cast to their dtype; returns how many. Every name and shape is
-    checked first: on a mismatch nothing changes (ValueError naming it)."""
+    parameters of the same names, cast to their dtype; a MoE layer's experts saved one by one (as
+    checkpoints hold them) are stacked as the model holds them, an expert-parallel rank taking its
+    own experts only. Returns how many parameters it wrote. Every name and shape is checked
+    first: on a mismatch, or an expert missing, nothing changes (ValueError naming it)."""
     from safetensors import safe_open
 
     files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else [Path(path)]
     if not files or not all(f.is_file() for f in files):
         raise ValueError(f"load_weights: no safetensors file at {path!r}")
-    handles = [safe_open(f, framework="pt") for f in files]
-    shapes = {name: tuple(h.get_slice(name).get_shape()) for h in handles for name in h.keys()}
-    return _load_checked(runner, shapes.items(),
-                         ((name, h.get_tensor(name)) for h in handles for name in h.keys()), path)
+    owners = {name: h for h in (safe_open(f, framework="pt") for f in files) for name in h.keys()}
+    shapes = {name: tuple(h.get_slice(name).get_shape()) for name, h in owners.items()}
+    return _load_checked(runner, shapes, lambda name: owners[name].get_tensor(name), path)
 
 
 def update_weights(runner, update_info: dict) -> int:
@@ -112,9 +120,10 @@ def update_weights(runner, update_info: dict) -> int:
         if runner.weight_transfer is None:
             raise ValueError("no weight transfer group: call init_weight_transfer_engine first")
         # Joined by now unless the trainer never came (its own join waits for every rank).
-        named = runner.weight_transfer.result(WEIGHT_TRANSFER_JOIN_TIMEOUT_S).receive(update_info)
-        return _load_checked(runner, ((name, tuple(t.shape)) for name, t in named), named,
-                             "the trainer")
+        named = dict(
+            runner.weight_transfer.result(WEIGHT_TRANSFER_JOIN_TIMEOUT_S).receive(update_info))
+        return _load_checked(runner, {name: tuple(t.shape) for name, t in named.items()},
+                             named.__getitem__, "the trainer")
     if not isinstance(update_info, dict) or not isinstance(update_info.get("path"), str):
         raise ValueError('update_info must be {"path": "<safetensors file or directory>"} or '
                          '{"names": [...], "dtype_names": [...], "shapes": [...]}')
@@ -139,22 +148,65 @@ def reset_weights(runner) -> None:
     runner.bind_weights()
 
 
-def _load_checked(runner, shapes, named, source: str) -> int:
-    """Every (name, shape) checked against the model's parameters, then named's tensors copied
-    into them (nothing copied on a mismatch: ValueError naming it); how many."""
-    params = dict(runner.model.named_parameters(remove_duplicate=False))
-    for name, shape in shapes:
-        if name not in params or tuple(params[name].shape) != shape:
-            expected = tuple(params[name].shape) if name in params else "no such parameter"
-            raise ValueError(f"load_weights: {name} {shape} does not fit the model ({expected})")
-    count = 0
+def _load_checked(runner, shapes: dict[str, tuple[int, ...]],
+                  read: Callable[[str], torch.Tensor], source: str) -> int:
+    """The tensors of these names and shapes checked against the model's parameters, then read
+    (by name) and copied into them (nothing copied on a mismatch: ValueError naming it); how many
+    parameters were written."""
+    loads = _plan_loads(runner.model, shapes)
     with torch.no_grad():
-        for name, tensor in named:
-            params[name].copy_(tensor)
-            count += 1
+        for param, load in loads:
+            param.copy_(load(read))
     runner.bind_weights()
-    logger.info("loaded %d tensors in place from %s", count, source)
-    return count
+    logger.info("loaded %d parameters in place from %s", len(loads), source)
+    return len(loads)
+
+
+def _plan_loads(model, shapes: dict[str, tuple[int, ...]]) -> list[tuple[torch.Tensor, Callable]]:
+    """Each parameter to write and how its tensor is read, every name and shape checked: a
+    checkpoint name as the model's own, else per-expert tensors stacked (expert_checkpoint.py); a
+    stacked experts parameter on an expert-parallel rank takes the rank's experts of it."""
+    # Persistent buffers too: a checkpoint holds DeepSeek-V3's router bias, a buffer here.
+    params = model.state_dict(keep_vars=True)
+    plain, stacked = plan_experts(name for name in shapes if name not in params)
+    plain.update((name, name) for name in shapes if name in params)
+    loads = []
+    for name, source in plain.items():
+        shape = shapes[source]
+        param, experts, num_experts = _target(model, params, name, f"{source} {shape}")
+        whole = tuple(param.shape) if experts is None else (num_experts, *param.shape[1:])
+        if shape != whole:
+            raise ValueError(f"load_weights: {source} {shape} does not fit the model ({whole})")
+        loads.append((param, partial(_read_slice, source, experts)))
+    for name, group in stacked.items():
+        param, experts, num_experts = _target(model, params, name, min(group.found))
+        if experts is None:  # the model holds every expert
+            experts = range(num_experts := param.shape[0])
+        try:
+            group.check(num_experts)
+            group.check_shapes(shapes, num_experts, tuple(param.shape[1:]))
+        except ValueError as e:
+            raise ValueError(f"load_weights: {e}") from None
+        loads.append((param, partial(group.read, experts=experts)))
+    return loads
+
+
+def _target(model, params: dict, name: str,
+            source: str) -> tuple[torch.Tensor, range | None, int | None]:
+    """The parameter the model names name, or the slice this expert-parallel rank holds of a
+    stacked experts parameter with its experts' global ids and their whole count."""
+    if name in params:
+        return params[name], None, None
+    if sharded := sharded_experts_param(model, name):
+        return sharded
+    raise ValueError(f"load_weights: {source} does not fit the model (no such parameter)")
+
+
+def _read_slice(name: str, experts: range | None,
+                read: Callable[[str], torch.Tensor]) -> torch.Tensor:
+    """Tensor name, or the rows of these experts of it."""
+    tensor = read(name)
+    return tensor if experts is None else tensor[experts.start:experts.stop]
 
 
 def _return_memory(device: torch.device) -> None:

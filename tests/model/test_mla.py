@@ -147,7 +147,7 @@ def test_on_cuda_greedy_parity_with_the_gathered_absorbed_decode(tmp_path, famil
 def test_new_weights_reach_the_absorbed_products(tmp_path):
     """With batch invariance the per-head kernel takes W_UK's transpose, copied when the layers
     bind: a weight update binds them again, and the tokens are the new model's. (Dense layers
-    only: a checkpoint saves its experts one by one, which load_weights does not stack.)"""
+    only: test_load_weights_moe.py updates the MoE layers.)"""
     tokenizer = load_tokenizer(resolve_model_dir(), vocab_size=False)
     first, other = (_build("deepseek_v3", tmp_path / name, tokenizer, first_k_dense_replace=2,
                            initializer_range=scale)
