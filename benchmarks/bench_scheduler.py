@@ -16,6 +16,14 @@ repeats of many steps; the table shows the median over repeats of the mean per s
     python benchmarks/bench_scheduler.py --quick     # a short run
     python benchmarks/bench_scheduler.py --profile   # also cProfile decode-256 (top by tottime)
     python benchmarks/bench_scheduler.py --gc-freeze # gc.freeze() after set-up, as an engine does
+    python benchmarks/bench_scheduler.py --trace-steps /tmp/t.json  # also with the step tracer
+
+--trace-steps runs each scenario twice side by side, on two schedulers set up alike, one with the
+engine's StepTracer (minicore/tracing/step_tracer.py) writing to PATH, their repeats alternated;
+the tracer's writer thread competes for the GIL here (no forward releases it), so this is the
+tracer's worst case. Besides the timed step it reports each twin's CPU time per step (the
+process's, both threads, the fake model's step included, the trace written before the clock
+stops): on a shared machine the steadier measure of what tracing costs.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -41,6 +50,8 @@ from minicore.request import Request  # noqa: E402
 from minicore.sampling_params import SamplingParams  # noqa: E402
 from minicore.scheduler import Scheduler  # noqa: E402
 from minicore.scheduler.output import ModelRunnerOutput  # noqa: E402
+from minicore.tracing.step_trace import TraceWriter  # noqa: E402
+from minicore.tracing.step_tracer import StepTracer  # noqa: E402
 
 BLOCK_SIZE = 16
 VOCAB = 32000
@@ -173,34 +184,64 @@ def time_steps(sc: Scenario, s: Scheduler, steps: int) -> dict:
             "running": running / steps, "tokens": tokens / steps}
 
 
-def run_scenario(sc: Scenario, repeats: int, steps: int, gc_freeze: bool = False) -> dict:
+def run_scenario(sc: Scenario, repeats: int, steps: int, gc_freeze: bool = False,
+                 writer: TraceWriter | None = None) -> dict:
+    """The scenario's figures; with a writer also on a traced twin, repeats alternated."""
     s = sc.setup()
+    traced = sc.setup() if writer is not None else None
+    if traced is not None:
+        StepTracer(writer, traced, SimpleNamespace(execute_dummy_batch=lambda: None))
     if gc_freeze:  # what an engine does after start-up: long-lived objects leave the GC's view
         gc.collect()
         gc.freeze()
-    reps = []
+    reps, traced_reps, cpu, traced_cpu = [], [], [], []
     for _ in range(repeats):
         gc.collect()
         reps.append(time_steps(sc, s, steps))
-    sched = statistics.median(r["schedule_us"] for r in reps)
-    upd = statistics.median(r["update_us"] for r in reps)
-    total = statistics.median(r["schedule_us"] + r["update_us"] for r in reps)
-    running = statistics.mean(r["running"] for r in reps)
-    result = {
-        "scenario": sc.name, "running": running,
-        "tokens_per_step": statistics.mean(r["tokens"] for r in reps),
-        "schedule_us": sched, "update_us": upd, "total_us": total,
-        "per_request_us": total / running if running else None,
-        "total_us_min": min(r["schedule_us"] + r["update_us"] for r in reps),
-        "total_us_max": max(r["schedule_us"] + r["update_us"] for r in reps),
-        "repeats": repeats, "steps_per_repeat": steps,
-        "preemptions": s.num_preemptions, "gc_freeze": gc_freeze,
-    }
+        if traced is not None:
+            gc.collect()
+            traced_reps.append(time_steps(sc, traced, steps))
+            cpu.append(cpu_per_step(sc, s, steps))
+            traced_cpu.append(cpu_per_step(sc, traced, steps, writer))
+    result = {"scenario": sc.name, **summarize(reps), "repeats": repeats,
+              "steps_per_repeat": steps, "preemptions": s.num_preemptions,
+              "gc_freeze": gc_freeze}
+    if traced is not None:
+        writer.flush(60)
+        result["traced"] = summarize(traced_reps)
+        result["trace_overhead_pct"] = 100 * (result["traced"]["total_us"] / result["total_us"] - 1)
+        result["cpu_us"], result["traced_cpu_us"] = map(statistics.median, (cpu, traced_cpu))
+        result["trace_cpu_overhead_pct"] = 100 * (result["traced_cpu_us"] / result["cpu_us"] - 1)
     if gc_freeze:
         gc.unfreeze()
-    del s
+    del s, traced
     gc.collect()
     return result
+
+
+def cpu_per_step(sc: Scenario, s: Scheduler, steps: int,
+                 writer: TraceWriter | None = None) -> float:
+    """The process's CPU microseconds per whole step (the fake model's included), a traced
+    scheduler's records written before the clock stops."""
+    start = time.process_time()
+    for _ in range(steps):
+        sc.before_step(s)
+        out = s.schedule()
+        s.update_from_output(out, fake_output(s, out))
+    if writer is not None:
+        writer.flush(60)
+    return (time.process_time() - start) / steps * 1e6
+
+
+def summarize(reps: list[dict]) -> dict:
+    totals = [r["schedule_us"] + r["update_us"] for r in reps]
+    running = statistics.mean(r["running"] for r in reps)
+    total = statistics.median(totals)
+    return {"running": running, "tokens_per_step": statistics.mean(r["tokens"] for r in reps),
+            "schedule_us": statistics.median(r["schedule_us"] for r in reps),
+            "update_us": statistics.median(r["update_us"] for r in reps), "total_us": total,
+            "per_request_us": total / running if running else None,
+            "total_us_min": min(totals), "total_us_max": max(totals)}
 
 
 def profile_decode(n: int, steps: int, top: int) -> str:
@@ -231,12 +272,15 @@ def main() -> None:
                     help="also cProfile decode-256 and print the top functions by tottime")
     ap.add_argument("--gc-freeze", action="store_true",
                     help="gc.freeze() after each scenario's set-up (default: plain GC)")
+    ap.add_argument("--trace-steps", metavar="PATH", default=None,
+                    help="also run each scenario with the step tracer writing to PATH (replaced)")
     ap.add_argument("--json", default=str(Path(__file__).resolve().parent / "results"
                                           / "bench_scheduler.json"))
     args = ap.parse_args()
     repeats = args.repeats or (3 if args.quick else 7)
     steps = args.steps or (40 if args.quick else 200)
-    total_steps = repeats * steps + 64
+    # Each scheduler steps twice as often with --trace-steps (timed, then CPU-timed).
+    total_steps = repeats * steps * (2 if args.trace_steps else 1) + 64
 
     scenarios = [Decode(32, total_steps), Decode(256, total_steps), Decode(1024, total_steps),
                  PrefillMix(total_steps)]
@@ -250,12 +294,22 @@ def main() -> None:
     print(hdr)
     print("-" * len(hdr))
     results = []
+    writer = TraceWriter(args.trace_steps, 0, "DP rank 0", fresh=True) if args.trace_steps else None
     for sc in scenarios:
-        r = run_scenario(sc, repeats, steps, args.gc_freeze)
+        r = run_scenario(sc, repeats, steps, args.gc_freeze, writer)
         results.append(r)
         print(f"{r['scenario']:<13} {r['running']:>8.1f} {r['tokens_per_step']:>9.0f} "
               f"{r['schedule_us']:>12.1f} {r['update_us']:>10.1f} {r['total_us']:>9.1f} "
               f"{r['per_request_us']:>7.2f}", flush=True)
+        if writer is not None:
+            t = r["traced"]
+            print(f"{'  traced':<13} {'':>8} {'':>9} {t['schedule_us']:>12.1f} "
+                  f"{t['update_us']:>10.1f} {t['total_us']:>9.1f} "
+                  f"{r['trace_overhead_pct']:>+6.1f}%  CPU/step {r['cpu_us']:.1f} -> "
+                  f"{r['traced_cpu_us']:.1f} us ({r['trace_cpu_overhead_pct']:+.1f}%)",
+                  flush=True)
+    if writer is not None:
+        writer.close()
 
     by = {r["scenario"]: r for r in results}
     d32, d256, d1024 = by["decode-32"], by["decode-256"], by["decode-1024"]
@@ -283,6 +337,7 @@ def main() -> None:
         "benchmark": "bench_scheduler", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "python": platform.python_version(), "platform": platform.platform(),
         "cpu_count": os.cpu_count(), "quick": args.quick, "gc_freeze": args.gc_freeze,
+        "trace_steps": args.trace_steps,
         "block_size": BLOCK_SIZE,
         "results": results, "growth": growth, "verdict": verdict, "reference": REFERENCE,
     }

@@ -1,18 +1,26 @@
 """--trace-steps on one engine (minicore/tracing/step_tracer.py) and the writer's bound
 (step_trace.py): an offline LLM's trace holds its steps (tokens by kind, forward time), the
 kv_usage and requests counters and every request's track, inside the steps, and a dummy batch
-after a sleep (sleep mode puts the tracer's wrap back on waking); the writer keeps to
-its limit in records, marks the cut, replaces a stale file when told and appends otherwise. The
-DP=2 expert-parallel trace, with the balance gate, is checked in
+after a sleep (sleep mode puts the tracer's wrap back on waking); a balance-gated scheduler driven
+step by step (minicore.testing) shows drafts proposed and accepted, a preemption, the gate's
+holds, a step that computed nothing told by the dummy batch after it, and an abort; the writer
+keeps to its limit in records, marks the cut, replaces a stale file when told and appends
+otherwise. The DP=2 expert-parallel trace, with the balance gate, is checked in
 tests/dp/test_expert_parallel_serving.py."""
 
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
 from minicore.llm import LLM
+from minicore.request import RequestStatus
 from minicore.sampling_params import SamplingParams
+from minicore.scheduler.balance import BalanceScheduler
+from minicore.spec_decode.config import SpeculativeConfig
+from minicore.testing import make_request, make_scheduler, propose, step
 from minicore.tracing.step_trace import STEPS, TraceWriter, read_trace
+from minicore.tracing.step_tracer import StepTracer
 
 PROMPTS = [[5 + i, 17, 23, 42, 7 + 3 * i] * (2 + i) for i in range(3)]
 MAX_TOKENS = [6, 3, 9]
@@ -75,21 +83,69 @@ def test_an_offline_llm_traces_its_steps_counters_and_requests(hf_model_and_toke
             assert track["args"] == {"finish_reason": "length"}
 
 
+def test_a_gated_scheduler_s_drafts_preemption_holds_and_abort(tmp_path):
+    s = make_scheduler(cls=BalanceScheduler, dp_size=2, max_num_seqs=2, num_blocks=8,
+                       speculative_config=SpeculativeConfig("ngram", num_speculative_tokens=2))
+    runner = SimpleNamespace(execute_dummy_batch=lambda: None)
+    writer = TraceWriter(tmp_path / "t.json", 0, "DP rank 0", fresh=True)
+    StepTracer(writer, s, runner)
+    for req_id in "ab":
+        s.add_request(make_request(req_id, 12, max_tokens=8, ignore_eos=True))
+    step(s)
+    # a's drafts need a block more than 7 usable hold: b is preempted. The fake model accepts
+    # the first (the token it samples) and rejects the second.
+    propose(s, {"a": [1001, 7]})
+    step(s)
+    s.balance_counts = [2, 0]  # a peer is full: the gate holds b and c until a ends
+    s.add_request(make_request("c", 4, max_tokens=2))
+    while s.running:
+        step(s)
+    step(s)  # nothing computed: the dummy batch after it tells it
+    runner.execute_dummy_batch()
+    s.finish_requests(["c"], RequestStatus.FINISHED_ABORTED)
+    s.balance_counts = [0, 0]
+    while s.has_requests():
+        step(s)
+    writer.close()
+    records = read_trace(tmp_path / "t.json")
+
+    steps = [r for r in records if r["ph"] == "X" and r["tid"] == STEPS]
+    drafted = steps[1]["args"]
+    assert drafted["tokens"] == {"a": 3} and drafted["preempted"] == ["b"]
+    assert (drafted["decode_tokens"], drafted["draft_tokens"], drafted["drafts_proposed"],
+            drafted["drafts_accepted"]) == (1, 2, 2, 1)
+    held = [r for r in steps if r["args"].get("gate") == "hold"]
+    assert held[0] is steps[2] and held[-1]["name"] == "dummy batch"
+    assert all(r["name"] == "step" and r["args"]["tokens"] == {"a": 1} for r in held[:-1])
+    assert held[-1]["args"]["step"] == len(held) + 2  # the third forward, then one each
+    resumed = steps[len(held) + 2]["args"]
+    assert resumed["tokens"] == {"b": 5} and resumed["prefill_tokens"] == 5  # after a prefix hit
+    tracks = {(r["id"], r["ph"]): r for r in records if r.get("cat") == "request"}
+    assert sorted(tracks) == [(i, ph) for i in "abc" for ph in "be"]  # one track through b's
+    assert tracks["c", "b"]["ts"] == steps[2]["ts"]  # preemption, from the step after it came
+    assert [tracks[i, "e"]["args"]["finish_reason"] for i in "abc"] == ["length", "length",
+                                                                       "abort"]
+    counters = [r for r in records if r["ph"] == "C"]
+    assert counters[-2:] == [
+        {**counters[-2], "name": "kv_usage", "args": {"usage": 0.0}},
+        {**counters[-1], "name": "requests", "args": {"running": 0, "waiting": 0}}]
+
+
 def test_the_writer_keeps_to_its_limit_and_marks_the_cut(tmp_path):
     path = tmp_path / "t.json"
-    writer = TraceWriter(path, 3, "DP rank 3", limit=6, fresh=True)  # 3 metadata records first
+    writer = TraceWriter(path, 3, "DP rank 3", limit=9, fresh=True)  # its metadata records first
     writer.emit({"ph": "i", "name": "one", "ts": 1.0})
-    writer.defer(lambda n: [{"ph": "i", "name": f"deferred {i}", "ts": 2.0} for i in range(n)], 5)
+    writer.defer(lambda n: [{"ph": "i", "name": f"deferred {i}", "ts": 2.0} for i in range(n)], 9)
     assert writer.flush()
     assert writer.full
     writer.emit({"ph": "i", "name": "dropped", "ts": 3.0})
     writer.close()
     writer.close()  # again: nothing
     records = read_trace(path)
-    assert [r["name"] for r in records] == [
-        "process_name", "thread_name", "thread_name", "one", "deferred 0", "deferred 1",
-        "trace truncated"]
-    assert {r["pid"] for r in records} == {3} and records[-1]["args"] == {"limit": 6}
+    num_metadata = sum(r["ph"] == "M" for r in records)
+    assert [r["name"] for r in records[num_metadata:]] == [
+        "one", *(f"deferred {i}" for i in range(9 - num_metadata - 1)), "trace truncated"]
+    assert {r["pid"] for r in records} == {3} and records[-1]["args"] == {"limit": 9}
 
 
 def test_a_fresh_writer_replaces_the_file_and_the_others_append(tmp_path):
@@ -101,6 +157,6 @@ def test_a_fresh_writer_replaces_the_file_and_the_others_append(tmp_path):
         writer.complete("step", 10.0, 20.0, wave=0)
         writer.close()
     records = read_trace(path)
-    assert sorted((r["pid"], r["name"]) for r in records if r["ph"] in "MX") == [
-        (pid, name) for pid in (0, 1) for name in ("process_name", "step", "thread_name",
-                                                    "thread_name")]
+    assert "stale" not in path.read_text()
+    assert {(r["pid"], r["name"]) for r in records} == {
+        (pid, name) for pid in (0, 1) for name in ("process_name", "thread_name", "step")}
