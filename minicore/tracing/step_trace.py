@@ -18,7 +18,9 @@ measured against rank 0 (``set_clock_offset``).
 
 The schema (what trace-view and the tests read): one process (``pid``) per DP rank (``DP rank
 N``), named by a ``process_name`` metadata record; thread 0 of a rank is its steps (``X`` records:
-``step``, ``dummy batch``), thread 1 its collectives (``X``, args ``waited_ms``), counters (``C``)
+``step``, ``dummy batch``), thread 1 its collectives (``X``, args ``waited_ms``), thread 2 its
+forwards and thread 3 its schedule() calls (``X`` ``forward`` and ``schedule``, args ``step``: with
+async scheduling the next step's schedule falls inside this step's forward), counters (``C``)
 ``kv_usage``, ``requests``; instants (``i``) for waves and events; each request an async track
 (``b``/``e`` records, ``cat`` ``request``, ``id`` the request id) on its rank. Left out: flow
 arrows between ranks, the protobuf format.
@@ -42,7 +44,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_LIMIT = 1_000_000  # records a process writes, about 200 MB
 # How often the writer's thread takes what is queued: a step's records reach the file this late.
 WRITE_INTERVAL_S = 0.1
-STEPS, COLLECTIVES = 0, 1  # a rank's threads (tracks)
+STEPS, COLLECTIVES, FORWARD, SCHEDULE = 0, 1, 2, 3  # a rank's threads (tracks)
+THREAD_NAMES = {STEPS: "steps", COLLECTIVES: "collectives", FORWARD: "forward",
+                SCHEDULE: "schedule"}
 
 
 def now_us() -> float:
@@ -71,7 +75,7 @@ class TraceWriter:
         # still writes what it queued.
         atexit.register(self.close)
         self.emit({"ph": "M", "name": "process_name", "args": {"name": process_name}})
-        for tid, name in ((STEPS, "steps"), (COLLECTIVES, "collectives")):
+        for tid, name in THREAD_NAMES.items():
             self.emit({"ph": "M", "name": "thread_name", "tid": tid, "args": {"name": name}})
 
     def set_clock_offset(self, offset_us: float) -> None:
@@ -167,6 +171,15 @@ class TraceWriter:
             lines.append(self._encode({"ph": "i", "name": "trace truncated", "s": "p",
                                        "pid": self.pid, "ts": self.now(),
                                        "args": {"limit": self.limit}}) + b",\n")
+
+
+def overlap_records(step: int, schedule: tuple[float, float], forward: tuple[float, float]
+                    ) -> list[dict]:
+    """A step's schedule() and forward (start, end in us) as X records on their threads."""
+    return [{"ph": "X", "name": name, "ts": start, "dur": end - start, "tid": tid,
+             "args": {"step": step}}
+            for name, tid, (start, end) in (("schedule", SCHEDULE, schedule),
+                                            ("forward", FORWARD, forward)) if end > start]
 
 
 def _open_trace(path: Path, fresh: bool) -> int:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from minicore.request import RequestStatus
 from minicore.tracing.clock import clock_offset_us, machine_id
-from minicore.tracing.step_trace import COLLECTIVES, STEPS, TraceWriter
+from minicore.tracing.step_trace import COLLECTIVES, STEPS, TraceWriter, overlap_records
 
 # The DP group's collectives in a step (minicore/dp/group.py), each timed on the collectives track.
 TIMED_COLLECTIVES = ("has_global_unfinished_reqs", "gather_running_counts", "max_running_count",
@@ -44,7 +44,9 @@ class _Step:
     arrived: list[tuple[str, int]]  # (request id, prompt tokens) added since the step before
     aborted: list[tuple[str, RequestStatus]]  # finished since the step before
     gate: bool
+    scheduled_ns: int = 0  # schedule()'s end
     forward_ns: int = 0
+    forward_start_ns: int = 0
 
 
 @dataclass(slots=True)
@@ -134,7 +136,8 @@ class StepTracer(NoStepTracer):
             if self._idle is not None:  # no dummy batch took it
                 self._flush_idle()
             output = schedule()
-            self._steps[id(output)] = _Step(start, self._arrived, self._ended, self._gate_held)
+            self._steps[id(output)] = _Step(start, self._arrived, self._ended, self._gate_held,
+                                            time.time_ns())
             self._arrived, self._ended, self._gate_held = [], [], False
             return output
 
@@ -171,7 +174,7 @@ class StepTracer(NoStepTracer):
             start = time.time_ns()
             output = execute_model(scheduler_output)
             if (step := self._steps.get(id(scheduler_output))) is not None:
-                step.forward_ns = time.time_ns() - start
+                step.forward_start_ns, step.forward_ns = start, time.time_ns() - start
             return output
 
         return traced_forward
@@ -275,6 +278,9 @@ class StepTracer(NoStepTracer):
                 "waiting_for_grammar": grammar, "waiting_for_remote_kv": remote_kv, **notes}
         records.append({"ph": "X", "name": "step", "ts": start, "dur": end - start,
                         "tid": STEPS, "args": args})
+        records += overlap_records(args["step"], (self._us(step.start_ns), self._us(
+            step.scheduled_ns)), (self._us(step.forward_start_ns), self._us(
+                step.forward_start_ns + step.forward_ns)))
         return records + self._counter_records(end, usage, counts)
 
     def _dummy_records(self, start_ns: int, end_ns: int, wave: int, idle: tuple | None

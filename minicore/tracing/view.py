@@ -5,9 +5,14 @@ minicore's own (vLLM has no such view). One lane per DP rank, rank 0 on top; eac
 coloured by its kind (prefill, decode, mixed: prompt and decode tokens together, draft
 verification, dummy batch), the rank's wait in its collectives a thin grey band after it, the
 steps in which the balance gate held waiting requests marked red above their bars, waves shaded
-and each wave's end a dashed line; time in ms from the trace's first record. matplotlib is
-imported here only when drawing, on the Agg backend (pip install 'minicore[view]'). Left out:
-request tracks, counters and preemptions (Perfetto shows them), several files at once.
+and each wave's end a dashed line; the steps with requests waiting for remote KV marked teal
+above their bars, those that started or finished a KV transfer with a triangle; the forwards and
+schedule() calls (threads 2 and 3) a thin sub-lane under the bars, where async scheduling's
+overlap shows: the next step scheduled while this one's forward runs. Several files (a prefill
+and a decode instance's, each its own DP rank 0) are lanes of one picture, named by file. Time is
+in ms from the first record. matplotlib is imported here only when drawing, on the Agg backend
+(pip install 'minicore[view]'). Left out: request tracks, counters and preemptions (Perfetto
+shows them).
 """
 
 from __future__ import annotations
@@ -16,11 +21,14 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from minicore.tracing.step_trace import COLLECTIVES, STEPS, read_trace
+from minicore.tracing.step_trace import COLLECTIVES, FORWARD, SCHEDULE, STEPS, read_trace
 
 KIND_COLOURS = {"prefill": "#e8743b", "decode": "#4c78a8", "mixed": "#8e5ec4",
                 "draft verification": "#4a9d4a", "dummy batch": "#b8b8b8"}
 WAIT_COLOUR, HOLD_COLOUR, WAVE_END_COLOUR = "#d4d4d4", "#d62728", "#333333"
+REMOTE_KV_COLOUR, TRANSFER_COLOUR = "#17becf", "#111111"
+FORWARD_COLOUR, SCHEDULE_COLOUR = "#2f4b7c", "#ff7f0e"
+PID_STRIDE = 1 << 20  # a file's pids, when several are drawn: apart from the file before
 WAVE_SHADES = ("#fff3c9", "#e4effa")  # alternate, so that back-to-back waves stay apart
 DEFAULT_WIDTH, LANE_HEIGHT, FRAME_HEIGHT = 1600, 70, 170  # pixels
 
@@ -33,6 +41,10 @@ class Lane:
         default_factory=lambda: {kind: [] for kind in KIND_COLOURS})
     waits: list[tuple[float, float]] = field(default_factory=list)
     holds: list[tuple[float, float]] = field(default_factory=list)
+    remote_kv: list[tuple[float, float]] = field(default_factory=list)
+    transfers: list[float] = field(default_factory=list)  # the middle of each such step
+    forwards: list[tuple[float, float]] = field(default_factory=list)
+    schedules: list[tuple[float, float]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -72,17 +84,10 @@ def load_view(records: list[dict]) -> TraceView:
     for r in timed:
         ts = (r["ts"] - t0) / 1000
         end_ms = max(end_ms, ts + r.get("dur", 0) / 1000)
-        if r["ph"] == "X" and r.get("tid") in (STEPS, COLLECTIVES):
+        if r["ph"] == "X" and r.get("tid") in (STEPS, COLLECTIVES, FORWARD, SCHEDULE):
             if (lane := lanes.get(r["pid"])) is None:
                 lane = lanes[r["pid"]] = Lane(names.get(r["pid"], f"pid {r['pid']}"))
-            span = (ts, r["dur"] / 1000)
-            if r["tid"] == COLLECTIVES:
-                lane.waits.append(span)
-                continue
-            if kind := step_kind(r):
-                lane.bars[kind].append(span)
-            if r.get("args", {}).get("gate") == "hold":
-                lane.holds.append(span)
+            _add_span(lane, r, (ts, r["dur"] / 1000))
         elif r["ph"] == "i" and r["name"] in ("wave start", "wave end"):
             wave = r["args"]["wave"]
             if r["name"] == "wave start":
@@ -93,6 +98,39 @@ def load_view(records: list[dict]) -> TraceView:
              for w in sorted(starts.keys() | ends.keys())]
     truncated = any(r.get("name") == "trace truncated" for r in records)
     return TraceView([lanes[pid] for pid in sorted(lanes)], waves, end_ms, truncated)
+
+
+def _add_span(lane: Lane, record: dict, span: tuple[float, float]) -> None:
+    """An X record of a rank's threads into its lane."""
+    tid, args = record["tid"], record.get("args", {})
+    if tid != STEPS:
+        {COLLECTIVES: lane.waits, FORWARD: lane.forwards, SCHEDULE: lane.schedules}[tid].append(
+            span)
+        return
+    if kind := step_kind(record):
+        lane.bars[kind].append(span)
+    if args.get("gate") == "hold":
+        lane.holds.append(span)
+    if args.get("waiting_for_remote_kv"):
+        lane.remote_kv.append(span)
+    if args.get("kv_transfers"):
+        lane.transfers.append(span[0] + span[1] / 2)
+
+
+def read_traces(paths: list[str]) -> list[dict]:
+    """The records of several trace files as one trace: with more than one, each file's pids
+    moved apart and its ranks named after the file (a P/D pair is two DP rank 0s)."""
+    if len(paths) == 1:
+        return read_trace(paths[0])
+    records = []
+    for i, path in enumerate(paths):
+        for r in read_trace(path):
+            if "pid" in r:
+                r["pid"] += i * PID_STRIDE
+            if r.get("ph") == "M" and r.get("name") == "process_name":
+                r["args"] = {"name": f"{Path(path).stem}: {r['args']['name']}"}
+            records.append(r)
+    return records
 
 
 def render(view: TraceView, out: str, width: int = DEFAULT_WIDTH, height: int | None = None,
@@ -119,10 +157,13 @@ def render(view: TraceView, out: str, width: int = DEFAULT_WIDTH, height: int | 
     ax.set_ylim(len(view.lanes) - 0.5, -0.5)  # rank 0 on top
     ax.set_yticks(range(len(view.lanes)), [lane.name for lane in view.lanes])
     ax.set_xlabel("time (ms)")
-    ax.xaxis.set_major_formatter(lambda value, _: f"{value:,.0f}")
+    digits = 0 if hi - lo > 20 else 1 if hi - lo > 2 else 2  # a window of a few ms: tenths
+    ax.xaxis.set_major_formatter(lambda value, _: f"{value:,.{digits}f}")
     ax.tick_params(labelsize=8)
     ax.set_title(title + (" (trace truncated)" if view.truncated else ""), fontsize=10)
-    fig.legend(handles=_legend_handles(), loc="outside upper center", ncol=9, fontsize=7.5,
+    handles = _legend_handles(view)
+    fig.legend(handles=handles, loc="outside upper center", ncol=min(len(handles), 11),
+               fontsize=7.5,
                frameon=False, handlelength=1.5, columnspacing=1.2)
     fig.savefig(out, dpi=100)
 
@@ -141,6 +182,15 @@ def _draw_lane(ax, lane: Lane, y: int, lo: float, hi: float, px_per_ms: float) -
                        edgecolors="white" if wide else "none", linewidth=0.5)
     ax.broken_barh(_visible(lane.waits, lo, hi), (y - 0.06, 0.12), facecolors=WAIT_COLOUR)
     ax.broken_barh(_visible(lane.holds, lo, hi), (y - 0.42, 0.09), facecolors=HOLD_COLOUR)
+    ax.broken_barh(_visible(lane.remote_kv, lo, hi), (y - 0.42, 0.09),
+                   facecolors=REMOTE_KV_COLOUR)
+    # The sub-lane: forwards under the bars, schedule() calls drawn over them.
+    ax.broken_barh(_visible(lane.forwards, lo, hi), (y + 0.33, 0.1), facecolors=FORWARD_COLOUR)
+    ax.broken_barh(_visible(lane.schedules, lo, hi), (y + 0.31, 0.14),
+                   facecolors=SCHEDULE_COLOUR)
+    if marks := [t for t in lane.transfers if lo <= t <= hi]:
+        ax.plot(marks, [y - 0.38] * len(marks), linestyle="none", marker="v", markersize=6,
+                color=TRANSFER_COLOUR)
 
 
 def _draw_waves(ax, view: TraceView, lo: float, hi: float) -> None:
@@ -154,22 +204,32 @@ def _draw_waves(ax, view: TraceView, lo: float, hi: float) -> None:
             ax.axvline(end, color=WAVE_END_COLOUR, linestyle="--", linewidth=0.9)
 
 
-def _legend_handles() -> list:
+def _legend_handles(view: TraceView) -> list:
+    """The legend, the KV and sub-lane entries only for a trace that has them."""
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    return ([Patch(color=colour, label=kind) for kind, colour in KIND_COLOURS.items()]
-            + [Patch(color=WAIT_COLOUR, label="waiting for peers"),
-               Patch(color=HOLD_COLOUR, label="gate hold"),
-               Patch(color=WAVE_SHADES[0], label="wave"),
-               Line2D([], [], color=WAVE_END_COLOUR, linestyle="--", label="wave end")])
+    handles = ([Patch(color=colour, label=kind) for kind, colour in KIND_COLOURS.items()]
+               + [Patch(color=WAIT_COLOUR, label="waiting for peers"),
+                  Patch(color=HOLD_COLOUR, label="gate hold"),
+                  Patch(color=WAVE_SHADES[0], label="wave"),
+                  Line2D([], [], color=WAVE_END_COLOUR, linestyle="--", label="wave end")])
+    if any(lane.remote_kv or lane.transfers for lane in view.lanes):
+        handles += [Patch(color=REMOTE_KV_COLOUR, label="waiting for remote KV"),
+                    Line2D([], [], color=TRANSFER_COLOUR, marker="v", linestyle="none",
+                           label="KV transfer")]
+    if any(lane.forwards for lane in view.lanes):
+        handles += [Patch(color=FORWARD_COLOUR, label="forward"),
+                    Patch(color=SCHEDULE_COLOUR, label="schedule()")]
+    return handles
 
 
 def add_trace_view_args(parser: argparse.ArgumentParser) -> None:
     parser.description = ("Draw a step trace (--trace-steps of serve, LLM or simulate) as a PNG: "
                           "one lane per DP rank, steps coloured by kind, waves and gate holds "
                           "marked. Needs matplotlib (pip install 'minicore[view]').")
-    parser.add_argument("path", help="the trace file (Trace Event Format JSON)")
+    parser.add_argument("path", nargs="+", help="the trace file (Trace Event Format JSON); "
+                        "several: one picture, each file's ranks named after it")
     parser.add_argument("--png", required=True, metavar="OUT", help="the picture to write")
     parser.add_argument("--start-ms", type=float, default=None,
                         help="the window's start, ms from the trace's first record (default 0)")
@@ -183,9 +243,9 @@ def add_trace_view_args(parser: argparse.ArgumentParser) -> None:
 
 
 def trace_view_main(args: argparse.Namespace) -> None:
-    view = load_view(read_trace(args.path))
+    view = load_view(read_traces(args.path))
     if not view.lanes:
-        raise ValueError(f"{args.path} has no step records")
+        raise ValueError(f"{' '.join(args.path)} has no step records")
     render(view, args.png, args.width, args.height, (args.start_ms, args.end_ms),
-           args.title if args.title is not None else Path(args.path).name)
+           args.title if args.title is not None else " + ".join(Path(p).name for p in args.path))
     print(f"wrote {args.png}")

@@ -1,20 +1,24 @@
 """`python -m minicore trace-view` (minicore/tracing/view.py) on a stored trace: the PNG's pixel
 size from its header (given and default), the colours of the step kinds, the gate holds and the
 wave end in it, a time window, and the lanes and waves read from the records, also from an
-engine's records on the wall clock."""
+engine's records on the wall clock; two files (a P/D pair) as lanes with their remote-KV waits
+and KV transfers; async scheduling's forward and schedule() records as a sub-lane."""
 
+import json
 import struct
 from pathlib import Path
 
 import pytest
 
 from minicore.__main__ import main
-from minicore.tracing.step_trace import read_trace
+from minicore.tracing.step_trace import FORWARD, SCHEDULE, overlap_records, read_trace
 from minicore.tracing.view import (
     HOLD_COLOUR,
     KIND_COLOURS,
+    REMOTE_KV_COLOUR,
     WAVE_END_COLOUR,
     load_view,
+    read_traces,
     step_kind,
 )
 
@@ -130,3 +134,43 @@ def test_an_engine_trace_on_the_wall_clock():
     assert sum(map(len, lane.bars.values())) == 1
     assert lane.holds == [(3.0, 0.5)] and lane.waits == [(3.5, 0.25)]
     assert view.waves == [(5, 0.0, 3.75, False)] and view.end_ms == 3.75 and view.truncated
+
+
+def test_overlap_records_of_async_scheduling():
+    # Step 2's forward (thread 2) and step 3's schedule() (thread 3) inside it: the overlap; a
+    # schedule() too short to time leaves no record.
+    assert overlap_records(2, (10.0, 10.0), (5.0, 50.0)) == [
+        {"ph": "X", "name": "forward", "ts": 5.0, "dur": 45.0, "tid": FORWARD,
+         "args": {"step": 2}}]
+    schedule, forward = overlap_records(3, (20.0, 20.5), (50.0, 90.0))
+    assert (schedule["tid"], schedule["name"], forward["name"]) == (SCHEDULE, "schedule", "forward")
+    records = [{**r, "pid": 0, "ts": r["ts"] * 1000, "dur": r["dur"] * 1000}
+               for r in overlap_records(2, (1.0, 2.0), (3.0, 9.0))]
+    (lane,) = load_view(records).lanes
+    assert lane.schedules == [(0.0, 1.0)] and lane.forwards == [(2.0, 6.0)]
+
+
+def test_two_files_as_lanes_with_remote_kv_and_transfers(tmp_path):
+    # A P/D pair: each instance's DP rank 0, in a file of its own; the decode side waits for
+    # remote KV in one step and receives it in the next.
+    t0 = 1.7e15
+    files = []
+    for name, steps in (("prefill", [{"prefill_tokens": 64, "kv_transfers": {
+                            "reqs_to_send": ["a"]}}]),
+                        ("decode", [{"waiting_for_remote_kv": ["a"], "kv_transfers": {
+                            "reqs_to_recv": ["a"]}}, {"kv_transfers": {
+                                "finished_recving": ["a"]}, "decode_tokens": 1}])):
+        path = tmp_path / f"{name}.json"
+        records = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "DP rank 0"}}]
+        records += [{"ph": "X", "name": "step", "pid": 0, "tid": 0, "ts": t0 + 1000 * i,
+                     "dur": 1000, "args": args} for i, args in enumerate(steps)]
+        path.write_text(json.dumps(records))
+        files.append(str(path))
+    prefill, decode = load_view(read_traces(files)).lanes
+    assert (prefill.name, decode.name) == ("prefill: DP rank 0", "decode: DP rank 0")
+    assert prefill.transfers == [0.5] and decode.transfers == [0.5, 1.5]
+    assert decode.remote_kv == [(0.0, 1.0)] and not prefill.remote_kv
+    out = tmp_path / "pd.png"
+    main(["trace-view", *files, "--png", str(out)])
+    assert png_size(out) == (1600, 170 + 70 * 2)
+    assert colour_pixels(out, REMOTE_KV_COLOUR) > 100
