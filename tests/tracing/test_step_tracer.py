@@ -19,7 +19,7 @@ from minicore.sampling_params import SamplingParams
 from minicore.scheduler.balance import BalanceScheduler
 from minicore.spec_decode.config import SpeculativeConfig
 from minicore.testing import make_request, make_scheduler, propose, step
-from minicore.tracing.step_trace import STEPS, TraceWriter, read_trace
+from minicore.tracing.step_trace import FORWARD, SCHEDULE, STEPS, TraceWriter, read_trace
 from minicore.tracing.step_tracer import StepTracer
 
 PROMPTS = [[5 + i, 17, 23, 42, 7 + 3 * i] * (2 + i) for i in range(3)]
@@ -66,6 +66,14 @@ def test_an_offline_llm_traces_its_steps_counters_and_requests(hf_model_and_toke
         assert "gate" not in s["args"] and "kv_transfers" not in s["args"]
     assert per_request == {str(i): len(p) + n - 1 for i, (p, n) in
                            enumerate(zip(PROMPTS, MAX_TOKENS))}
+
+    # Each step's schedule() and forward on their own tracks, in order, inside the step.
+    for tid, name in ((SCHEDULE, "schedule"), (FORWARD, "forward")):
+        parts = [r for r in records if r["ph"] == "X" and r["tid"] == tid]
+        assert [(p["name"], p["args"]["step"]) for p in parts] == [
+            (name, s["args"]["step"]) for s in steps]
+        assert all(s["ts"] <= p["ts"] and p["ts"] + p["dur"] <= s["ts"] + s["dur"] + 1
+                   for s, p in zip(steps, parts))
 
     usage = [r["args"]["usage"] for r in records if r["ph"] == "C" and r["name"] == "kv_usage"]
     assert max(usage) > 0 and usage[-1] == 0
